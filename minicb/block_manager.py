@@ -1,0 +1,212 @@
+"""BlockManager: paged KV-cache memory, as in vLLM's PagedAttention (Kwon et al., SOSP 2023).
+
+The KV cache is cut into `num_blocks` fixed-size blocks of `block_size` token slots. A request
+owns a *block table*: the list of physical block ids that hold its tokens in order, so logical
+token i lives in block `table[i // block_size]` at offset `i % block_size`. Blocks are handed out
+one at a time as a sequence grows, so at most one partly filled block per request is wasted
+(internal fragmentation), instead of a whole max_model_len reservation.
+
+Prefix caching: once a block is full and computed, it is named by a hash chained over all the
+tokens before it. A new request whose prompt starts with the same tokens reuses those blocks
+(the reference count goes up) and skips computing them. Freed blocks keep their hash and wait at
+the end of the free queue, so they can still be reused until the allocator hands them out again.
+
+Swap: a preempted request's blocks can be copied to a pool of CPU blocks and back. This class only
+keeps the books (which block goes where); the torch side (kv_cache.py) copies the bytes.
+"""
+
+from collections import OrderedDict
+
+from .request import Request
+
+
+def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    # Chaining makes the hash name the whole prefix, not just this block's tokens. Python's
+    # hash() is fine inside one process; a production engine would use a collision-resistant hash.
+    return hash((parent_hash, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                 enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        # Free queue in eviction order: allocation takes from the front; freed blocks go to the back,
+        # so a cached block that was used recently survives longest. OrderedDict: O(1) removal from
+        # the middle when a prefix hit revives a free block.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hash: list[int | None] = [None] * num_blocks  # hash of a full computed block
+        self.cached: dict[int, int] = {}  # hash -> block id holding that prefix block
+        self.block_tables: dict[str, list[int]] = {}  # request id -> physical block ids
+        self.num_hashed: dict[str, int] = {}  # request id -> leading blocks already registered
+        # Swap space: CPU blocks have no prefix sharing, one owner each.
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.cpu_block_tables: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix (evicted only when handed out again)."""
+        return sum(1 for b in self.free_queue if self.block_hash[b] is not None)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.cpu_free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ prefix cache
+    def _hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+        """Extend the request's hash chain to cover its first `num_full_blocks` blocks."""
+        hashes, bs = req.block_hashes, self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(req.token_ids[i * bs:(i + 1) * bs])))
+        return hashes
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Blocks already holding this request's leading tokens. At least one token is always left
+        to compute (its logits are needed for the next sample), so the block holding the last
+        token is never taken from the cache and no write ever lands in a shared block."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in self._hashes(req, (req.num_tokens - 1) // self.block_size):
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the hash of every block that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        rid = req.request_id
+        start, end = self.num_hashed[rid], req.num_computed_tokens // self.block_size
+        if end <= start:
+            return
+        table, hashes = self.block_tables[rid], self._hashes(req, end)
+        for i in range(start, end):
+            if hashes[i] not in self.cached:  # the same prefix computed twice keeps the first copy
+                self.cached[hashes[i]] = table[i]
+                self.block_hash[table[i]] = hashes[i]
+        self.num_hashed[rid] = end
+
+    # ------------------------------------------------------------------ allocate / free
+    def _take_free_block(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:  # evict the prefix it held
+            self.block_hash[block] = None
+            if self.cached.get(h) == block:
+                del self.cached[h]
+        self.ref_counts[block] = 1
+        return block
+
+    def num_blocks_needed(self, rid: str, num_tokens: int, computed_blocks: list[int] = ()) -> int:
+        """Free blocks that `allocate(rid, num_tokens, computed_blocks)` would consume."""
+        have = len(self.block_tables.get(rid, ())) + len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)  # cached but free
+        return max(0, self.blocks_for(num_tokens) - have) + revived
+
+    def can_allocate(self, rid: str, num_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        return self.num_blocks_needed(rid, num_tokens, computed_blocks) <= len(self.free_queue)
+
+    def allocate(self, req: Request, num_tokens: int, computed_blocks: list[int] = ()) -> None:
+        """Grow `req`'s block table so it covers `num_tokens` token slots. `computed_blocks`
+        (prefix-cache hits, only when the table is new) are shared instead of allocated."""
+        rid = req.request_id
+        if not self.can_allocate(rid, num_tokens, computed_blocks):
+            raise RuntimeError(f"out of KV blocks for request {rid}: call can_allocate first")
+        table = self.block_tables.get(rid)
+        if table is None:
+            table = self.block_tables[rid] = []
+            self.num_hashed[rid] = len(computed_blocks)
+        elif computed_blocks:
+            raise ValueError("computed_blocks can only be shared into a new block table")
+        for block in computed_blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+            table.append(block)
+        while len(table) * self.block_size < num_tokens:
+            table.append(self._take_free_block())
+
+    def _release(self, table: list[int]) -> None:
+        # Tail blocks are queued first so that the shared prefix blocks, released last, are
+        # evicted last.
+        for block in reversed(table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+
+    def free(self, rid: str) -> None:
+        """Drop everything a request holds: device blocks (hashes kept) and swapped CPU blocks."""
+        self._release(self.block_tables.pop(rid, ()))
+        self.num_hashed.pop(rid, None)
+        self.cpu_free.extend(self.cpu_block_tables.pop(rid, ()))
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_out(self, rid: str) -> bool:
+        return len(self.block_tables.get(rid, ())) <= len(self.cpu_free)
+
+    def swap_out(self, rid: str) -> list[tuple[int, int]]:
+        """Move a request's blocks to CPU. Returns (device block, cpu block) copies, which the
+        runner must perform before this step's forward pass reuses the device blocks."""
+        table = self.block_tables.pop(rid)
+        self.num_hashed.pop(rid, None)
+        cpu_table = [self.cpu_free.pop() for _ in table]
+        self.cpu_block_tables[rid] = cpu_table
+        self._release(table)  # back to the free queue, hashes kept
+        return list(zip(table, cpu_table))
+
+    def can_swap_in(self, rid: str, num_tokens: int) -> bool:
+        return max(len(self.cpu_block_tables[rid]), self.blocks_for(num_tokens)) <= len(self.free_queue)
+
+    def swap_in(self, req: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request back into fresh device blocks. Returns (cpu, device) copies."""
+        rid = req.request_id
+        cpu_table = self.cpu_block_tables.pop(rid)
+        table = self.block_tables[rid] = [self._take_free_block() for _ in cpu_table]
+        self.cpu_free.extend(cpu_table)
+        self.num_hashed[rid] = 0
+        self.cache_full_blocks(req)  # its full blocks are valid prefix blocks again
+        return list(zip(cpu_table, table))
+
+    # ------------------------------------------------------------------ checks and display
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the books do not balance (used by the property tests)."""
+        owners = [0] * self.num_blocks
+        for table in self.block_tables.values():
+            assert len(set(table)) == len(table), "a block appears twice in one table"
+            for b in table:
+                owners[b] += 1
+        assert owners == self.ref_counts, "reference counts differ from the tables holding each block"
+        free = set(self.free_queue)
+        assert free == {b for b in range(self.num_blocks) if owners[b] == 0}, "free queue != unowned blocks"
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h, "cached map and block hashes disagree"
+        cpu_owned = [b for t in self.cpu_block_tables.values() for b in t]
+        assert len(cpu_owned) == len(set(cpu_owned)), "a CPU block is owned twice"
+        assert sorted(cpu_owned + self.cpu_free) == list(range(self.num_cpu_blocks)), "CPU blocks leaked"
+
+    def __repr__(self):
+        tables = ", ".join(f"{rid}: {t}" for rid, t in self.block_tables.items())
+        return (
+            f"BlockManager(blocks={self.num_blocks} x {self.block_size} tokens, used={self.num_used_blocks}, "
+            f"free={self.num_free_blocks} (cached {self.num_cached_free_blocks}), "
+            f"cpu_free={self.num_free_cpu_blocks}/{self.num_cpu_blocks}, tables={{{tables}}})"
+        )

@@ -1,0 +1,82 @@
+"""EngineConfig: every knob of the engine in one frozen dataclass.
+
+The names follow vLLM (`max_num_seqs`, `max_num_batched_tokens`, `block_size`, ...) so that what
+a learner tunes here carries over. The config is pure data: it is validated when it is built and
+never reads a file or touches a device (the engine resolves model-dependent values such as
+`num_blocks` from a memory budget and passes a completed copy to the scheduler).
+"""
+
+from dataclasses import dataclass, replace
+
+BATCHING_MODES = ("continuous", "static")
+POLICIES = ("fifo", "sjf", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct; else a local dir or hub id
+    dtype: str = "float32"  # float32 on CPU (no fast bf16 there); float64 for exact-parity tests
+    device: str = "cpu"  # "cpu" or "cuda"
+
+    # --- paged KV memory ---
+    block_size: int = 16  # tokens per KV block: small blocks waste less, large ones gather faster
+    num_blocks: int | None = None  # KV blocks on the device; None: derived from kv_cache_bytes
+    kv_cache_bytes: int | None = None  # memory budget for the KV cache; None: 512 MiB on CPU
+    num_cpu_blocks: int | None = None  # swap space in blocks; None: as many as num_blocks
+    enable_prefix_caching: bool = True  # reuse full blocks whose token prefix was computed before
+    max_model_len: int | None = None  # prompt + output limit; None: the model's (or unlimited in sim)
+
+    # --- scheduling ---
+    max_num_seqs: int = 64  # slots: requests running at once (the batch size of a decode step)
+    max_num_batched_tokens: int = 256  # token budget of one step (decodes + prefill chunks)
+    batching: str = "continuous"  # "static": admit a batch, wait until all of it has finished
+    policy: str = "fifo"  # admission order: "fifo", "sjf" (fewest max_tokens) or "priority"
+    enable_chunked_prefill: bool = True  # split long prompts so decodes keep running beside them
+    preemption_mode: str = "recompute"  # when blocks run out: drop and re-prefill, or swap to CPU
+
+    # --- execution ---
+    use_cuda_graph: bool | str = "auto"  # decode through graphs: True, False, or "auto" (CUDA only)
+    seed: int = 0  # generator for sampled requests that carry no seed of their own
+    record_trace: bool = True  # keep one StepRecord per step (notebooks); servers may turn it off
+
+    def __post_init__(self):
+        def positive(name, allow_none=False):
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            positive(name)
+        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
+            positive(name, allow_none=True)
+        if self.num_cpu_blocks is not None and (
+            not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0
+        ):
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
+        for name, allowed in (
+            ("batching", BATCHING_MODES),
+            ("policy", POLICIES),
+            ("preemption_mode", PREEMPTION_MODES),
+            ("dtype", DTYPES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {allowed}")
+        if self.use_cuda_graph not in (True, False, "auto"):
+            raise ValueError(f"use_cuda_graph must be True, False or 'auto', got {self.use_cuda_graph!r}")
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    @property
+    def max_blocks_per_seq(self) -> int | None:
+        """Columns of a block table: enough blocks for the longest allowed sequence."""
+        if self.max_model_len is None:
+            return None
+        return -(-self.max_model_len // self.block_size)
+
+    def replace(self, **changes) -> "EngineConfig":
+        """A validated copy with some fields changed (the config itself is frozen)."""
+        return replace(self, **changes)

@@ -1,0 +1,135 @@
+"""Request: one prompt's life inside the engine, and RequestOutput: what a user gets back.
+
+A request is a list of token ids (prompt, then generated tokens) plus one counter that drives
+everything: `num_computed_tokens`, how many of those tokens already have K/V in the cache.
+Each step the scheduler gives a request `num_tokens - num_computed_tokens` tokens or fewer
+(a prompt chunk, a whole prompt, or the single newest token of a decode), the same rule that
+vLLM v1 uses, so prefill, chunked prefill, decode and recompute after preemption are one code path.
+"""
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted by recompute)
+    RUNNING = "running"  # holds a slot and KV blocks on the device
+    SWAPPED = "swapped"  # preempted by swap: its KV blocks sit in CPU memory
+    FINISHED_STOPPED = "stop"  # produced EOS or a stop token
+    FINISHED_LENGTH = "length"  # reached max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"  # aborted by the user (or a disconnected client)
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.perf_counter seconds) filled in by the engine."""
+
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None or self.arrival_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival until the first generated token exists."""
+        if self.first_token_time is None or self.arrival_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_index: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)  # prompt + generated, grows by one per sample
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival_index = arrival_index  # order of arrival: FIFO key and tie-breaker
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V is in the cache (0 again after recompute)
+        self.slot: int | None = None  # row of the batch it occupies while running (for pictures)
+        # Stop ids: the model's EOS (unless ignored) and the user's stop tokens.
+        stops = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stops |= set(eos_token_ids)
+        self.stop_token_ids = frozenset(stops)
+        self.block_hashes: list[int] = []  # hash chain of this request's full blocks (prefix cache)
+        self.num_preemptions = 0
+        self.admitted_step: int | None = None
+        self.first_token_step: int | None = None
+        self.finish_step: int | None = None
+        self.metrics = RequestMetrics()
+        self.generator = None  # per-request torch.Generator for seeded sampling (set by the engine)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens whose K/V may ever be cached: the last generated token is never fed back."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    def __repr__(self):
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}/{self.params.max_tokens}, "
+            f"computed={self.num_computed_tokens}, slot={self.slot}, priority={self.priority})"
+        )
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of one request for the user. Streaming yields one per new token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated tokens so far
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    new_token_ids: list[int] = field(default_factory=list)  # generated in this step
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,313 @@
+"""Scheduler: iteration-level scheduling, as in Orca (Yu et al., OSDI 2022) and vLLM.
+
+Every step the scheduler decides, from scratch, which requests run and how many tokens each
+gets. Finished requests leave at once and waiting ones take their slots in the next step, so
+the batch never waits for its longest member (continuous batching). One rule covers prefill,
+chunked prefill, decode and recompute: a request is given up to `num_tokens -
+num_computed_tokens` of its tokens, within a per-step token budget (`max_num_batched_tokens`).
+
+Order inside a step: running decodes first (one token each, the cheapest way to keep users
+streaming), then running prompts that are part-way through (chunked prefill), then swapped
+requests coming back, then new admissions by policy, each capped by the tokens left.
+When a running request needs a KV block and none is free, the request the policy would serve
+last is preempted: by recompute (free its blocks, prefill it again later) or by swap (copy its
+blocks to CPU). With `batching="static"` the same machinery admits a batch only when the
+previous batch has completely finished, which is what static batching costs.
+"""
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One row of the step's batch."""
+
+    request: Request
+    start: int  # num_computed_tokens before this step = position of the first token fed
+    num_tokens: int  # tokens fed this step (a prompt chunk, or 1 for a decode)
+    is_prefill: bool
+    do_sample: bool  # this step computes the request's last token, so a new token is sampled
+    block_table: list[int]  # the request's live block table (read it during this step only)
+    slot: int  # the batch row the request occupies while it runs
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids[self.start:self.start + self.num_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefills
+    num_batched_tokens: int = 0
+    admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # by recompute
+    swapped_out: list[str] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if not s.is_prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig):
+        if config.num_blocks is None:
+            raise ValueError("the scheduler needs config.num_blocks (the engine derives it from memory)")
+        self.config = config
+        num_cpu = config.num_blocks if config.num_cpu_blocks is None else config.num_cpu_blocks
+        self.block_manager = BlockManager(config.num_blocks, config.block_size,
+                                          num_cpu if config.preemption_mode == "swap" else 0,
+                                          config.enable_prefix_caching)
+        self.waiting: list[Request] = []  # kept sorted by policy key
+        self.running: list[Request] = []  # in admission order
+        self.swapped: list[Request] = []  # kept sorted by policy key
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.free_slots = list(range(config.max_num_seqs))  # a heap: lowest free slot first
+        self.static_batch: set[str] = set()  # static mode: members of the batch being served
+        self.step_count = 0
+        self.finished: list[Request] = []  # finished or aborted since take_finished()
+        self.policy_key = {
+            "fifo": lambda r: r.arrival_index,
+            "sjf": lambda r: (r.params.max_tokens, r.arrival_index),
+            "priority": lambda r: (-r.priority, r.arrival_index),
+        }[config.policy]
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, req: Request) -> None:
+        """Queue a request, or raise ValueError if it could never run (nothing else changes)."""
+        c, n = self.config, req.num_prompt_tokens
+        if n == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if c.max_model_len is not None and n + req.params.max_tokens > c.max_model_len:
+            raise ValueError(f"prompt has {n} tokens and max_tokens is {req.params.max_tokens}: "
+                             f"{n + req.params.max_tokens} exceeds max_model_len {c.max_model_len}")
+        need = self.block_manager.blocks_for(req.max_total_tokens)
+        if need > c.num_blocks:
+            raise ValueError(f"request needs up to {req.max_total_tokens} tokens = {need} KV blocks of "
+                             f"{c.block_size}, but the cache has only num_blocks={c.num_blocks}")
+        if not c.enable_chunked_prefill and n > c.max_num_batched_tokens:
+            raise ValueError(f"prompt has {n} tokens but max_num_batched_tokens is "
+                             f"{c.max_num_batched_tokens} and chunked prefill is disabled")
+        self.requests[req.request_id] = req
+        bisect.insort(self.waiting, req, key=self.policy_key)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Remove a request in any state and free all it holds. Returns it, or None if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for queue in (self.waiting, self.running, self.swapped):
+            if req in queue:
+                queue.remove(req)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ slots and preemption
+    def _admit(self, req: Request, step: int) -> None:
+        req.status = RequestStatus.RUNNING
+        req.slot = heapq.heappop(self.free_slots)
+        if req.admitted_step is None:
+            req.admitted_step = step
+        self.running.append(req)
+
+    def _release_slot(self, req: Request) -> None:
+        if req.slot is not None:
+            heapq.heappush(self.free_slots, req.slot)
+            req.slot = None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self._release_slot(req)
+        req.num_preemptions += 1
+        bm = self.block_manager
+        if self.config.preemption_mode == "swap" and bm.can_swap_out(req.request_id):
+            out.blocks_to_swap_out += bm.swap_out(req.request_id)
+            req.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, req, key=self.policy_key)
+            out.swapped_out.append(req.request_id)
+        else:  # recompute (also the fallback when the swap space is full)
+            bm.free(req.request_id)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, req, key=self.policy_key)
+            out.preempted.append(req.request_id)
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """A waiting request that outranks a running one and cannot get in takes its place."""
+        while self.waiting and self.running:
+            best = self.waiting[0]
+            victim = max(self.running, key=self.policy_key)
+            if best.priority <= victim.priority:
+                return
+            first_chunk = min(best.num_tokens, self.config.max_num_batched_tokens)
+            fits = len(self.running) < self.config.max_num_seqs and \
+                self.block_manager.can_allocate(best.request_id, first_chunk)
+            if fits:
+                return
+            self._preempt(victim, out)
+
+    # ------------------------------------------------------------------ one step
+    def _num_new_tokens(self, req: Request, computed: int, budget: int) -> int:
+        """Tokens to give `req` this step (0: it must wait for a larger budget)."""
+        remaining = req.num_tokens - computed
+        if remaining > budget and not self.config.enable_chunked_prefill and req.num_output_tokens == 0:
+            return 0  # without chunked prefill a prompt runs whole (a recompute may still be split)
+        return min(remaining, budget)
+
+    def _row(self, req: Request, num_tokens: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        done = start + num_tokens == req.num_tokens
+        is_decode = done and num_tokens == 1 and req.num_output_tokens > 0
+        return ScheduledRequest(req, start, num_tokens, not is_decode, done,
+                                self.block_manager.block_tables[req.request_id], req.slot)
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
+        c, bm = self.config, self.block_manager
+        out = SchedulerOutput(step=self.step_count)
+        budget = c.max_num_batched_tokens
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        if c.policy == "priority" and c.batching == "continuous":
+            self._preempt_for_priority(out)
+
+        # 1. Running requests, best first; victims are taken from the back of the same order.
+        queue = sorted(self.running, key=self.policy_key)
+        queue = [r for r in queue if r.num_tokens - r.num_computed_tokens == 1] + \
+                [r for r in queue if r.num_tokens - r.num_computed_tokens > 1]
+        out_of_blocks = False
+        i = 0
+        while i < len(queue) and budget > 0:
+            req = queue[i]
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not bm.can_allocate(req.request_id, req.num_computed_tokens + num_new):
+                out_of_blocks = True
+                victim = queue.pop()  # the request this policy would serve last
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                bm.allocate(req, req.num_computed_tokens + num_new)
+                row = self._row(req, num_new)
+                (prefills if row.is_prefill else decodes).append(row)
+                budget -= num_new
+                i += 1
+
+        # 2. Swapped requests come back before anything new is admitted.
+        if not out_of_blocks:
+            while self.swapped and budget > 0 and len(self.running) < c.max_num_seqs:
+                req = self.swapped[0]
+                num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+                if num_new == 0 or not bm.can_swap_in(req.request_id, req.num_computed_tokens + num_new):
+                    break
+                self.swapped.pop(0)
+                out.blocks_to_swap_in += bm.swap_in(req)
+                bm.allocate(req, req.num_computed_tokens + num_new)
+                self._admit(req, out.step)
+                out.swapped_in.append(req.request_id)
+                row = self._row(req, num_new)
+                (prefills if row.is_prefill else decodes).append(row)
+                budget -= num_new
+
+        # 3. Admit waiting requests by policy (static mode: only when the last batch is done).
+        if c.batching == "static":
+            self.static_batch &= self.requests.keys()
+            forming = not self.static_batch  # the previous batch is done: a new one forms now
+            may_admit = lambda r: forming or r.request_id in self.static_batch
+        else:
+            may_admit = lambda r: True
+        while (self.waiting and not out_of_blocks and not self.swapped
+               and len(self.running) < c.max_num_seqs and may_admit(self.waiting[0])):
+            req = self.waiting[0]
+            hits = bm.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            computed = len(hits) * c.block_size
+            num_new = self._num_new_tokens(req, computed, budget)
+            if num_new == 0 and c.batching == "continuous":
+                break  # static batching admits the whole batch now and prefills in later steps
+            if not bm.can_allocate(req.request_id, computed + num_new, hits):
+                break
+            self.waiting.pop(0)
+            bm.allocate(req, computed + num_new, hits)
+            req.num_computed_tokens = computed
+            self._admit(req, out.step)
+            out.admitted.append(req.request_id)
+            if c.batching == "static":
+                self.static_batch.add(req.request_id)
+            if num_new:
+                prefills.append(self._row(req, num_new))
+                budget -= num_new
+
+        out.scheduled = decodes + prefills
+        out.num_batched_tokens = c.max_num_batched_tokens - budget
+        return out
+
+    # ------------------------------------------------------------------ after the model ran
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        """Advance every scheduled request. `sampled_token_ids` holds one token for each row with
+        `do_sample`, in row order. Returns the requests that received a token."""
+        bm, max_len = self.block_manager, self.config.max_model_len
+        samples = iter(sampled_token_ids)
+        touched = []
+        for row in out.scheduled:
+            req = row.request
+            if req.status.finished:  # aborted after schedule(): drop its token
+                if row.do_sample:
+                    next(samples)
+                continue
+            req.num_computed_tokens += row.num_tokens
+            bm.cache_full_blocks(req)
+            if not row.do_sample:
+                continue
+            token = next(samples)
+            req.token_ids.append(token)
+            touched.append(req)
+            if req.first_token_step is None:
+                req.first_token_step = out.step
+            if token in req.stop_token_ids:
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.num_output_tokens >= req.params.max_tokens or (
+                    max_len is not None and req.num_tokens >= max_len):
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+        return touched
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        req.status = status
+        req.finish_step = self.step_count
+        self._release_slot(req)
+        self.block_manager.free(req.request_id)
+        del self.requests[req.request_id]
+        self.finished.append(req)
+
+    def take_finished(self) -> list[Request]:
+        """Requests that finished or were aborted since the last call."""
+        finished, self.finished = self.finished, []
+        return finished
+
+    def __repr__(self):
+        ids = lambda q: [r.request_id for r in q]
+        return (f"Scheduler(step={self.step_count}, {self.config.batching}/{self.config.policy}, "
+                f"waiting={ids(self.waiting)}, running={ids(self.running)}, swapped={ids(self.swapped)}, "
+                f"free_blocks={self.block_manager.num_free_blocks}/{self.config.num_blocks})")

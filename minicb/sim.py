@@ -1,0 +1,107 @@
+"""Model-free simulation: the real Scheduler and BlockManager driven by a scripted model.
+
+The scripted model "generates" exactly `output_len` tokens per request, one per step once the
+prompt is done, so every number here (steps, slot occupancy, block usage, preemptions) is the
+number the real engine would produce for the same lengths. Time is measured in steps.
+"""
+
+from dataclasses import dataclass
+
+from .config import EngineConfig
+from .request import Request
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .trace import Trace
+
+SIM_NUM_BLOCKS = 4096  # used when the config leaves num_blocks to the engine: memory is ample
+
+
+@dataclass
+class SimRequest:
+    prompt_len: int
+    output_len: int
+    arrival_step: int = 0  # the first step in which it may be scheduled (0 and 1: from the start)
+    priority: int = 0
+    prompt_token_ids: list[int] | None = None  # give two requests the same prefix to share blocks
+    request_id: str | None = None  # default: its index in the input list
+
+
+@dataclass
+class SimRequestResult:
+    request_id: str
+    prompt_len: int
+    output_len: int
+    arrival_step: int
+    admitted_step: int | None
+    first_token_step: int | None
+    finish_step: int | None
+    num_preemptions: int
+
+    @property
+    def ttft_steps(self) -> int:
+        """Steps from arrival to first token, counting both ends (first token in its arrival step: 1)."""
+        return self.first_token_step - max(self.arrival_step, 1) + 1
+
+    @property
+    def latency_steps(self) -> int:
+        return self.finish_step - max(self.arrival_step, 1) + 1
+
+
+@dataclass
+class SimResult:
+    requests: list[SimRequestResult]  # in input order
+    num_steps: int
+    trace: Trace
+    scheduler: Scheduler
+
+    @property
+    def slot_utilization(self) -> float:
+        return self.trace.slot_utilization()
+
+    def __repr__(self):
+        return f"SimResult(num_steps={self.num_steps}, requests={len(self.requests)}, {self.trace!r})"
+
+
+def simulate(requests: list[SimRequest], config: EngineConfig | None = None, max_steps: int = 100_000,
+             on_step=None) -> SimResult:
+    """Run `requests` through the real scheduler. `on_step(scheduler, out)` is called after each
+    schedule() for a notebook that wants to look inside."""
+    config = config or EngineConfig()
+    if config.num_blocks is None:
+        config = config.replace(num_blocks=SIM_NUM_BLOCKS)
+    sched = Scheduler(config)
+    trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
+    pending = []
+    for i, sr in enumerate(requests):
+        if sr.prompt_len <= 0 or sr.output_len <= 0:
+            raise ValueError(f"request {i}: prompt_len and output_len must be positive, got "
+                             f"{sr.prompt_len} and {sr.output_len}")
+        # Distinct token ids per request unless given: no accidental prefix sharing.
+        tokens = sr.prompt_token_ids or [100_000 * (i + 1) + j for j in range(sr.prompt_len)]
+        if len(tokens) != sr.prompt_len:
+            raise ValueError(f"request {i}: prompt_token_ids has {len(tokens)} tokens, prompt_len is {sr.prompt_len}")
+        rid = sr.request_id if sr.request_id is not None else str(i)
+        params = SamplingParams(max_tokens=sr.output_len, temperature=0.0, ignore_eos=True)
+        pending.append((max(sr.arrival_step, 1), i, Request(rid, tokens, params, sr.priority, arrival_index=i)))
+    pending.sort(key=lambda p: (p[0], p[1]))
+    by_index = [p[2] for p in sorted(pending, key=lambda p: p[1])]
+
+    step, nxt = 0, 0
+    while nxt < len(pending) or sched.has_unfinished_requests():
+        step += 1
+        if step > max_steps:
+            raise RuntimeError(f"simulation did not finish within max_steps={max_steps}")
+        while nxt < len(pending) and pending[nxt][0] <= step:
+            sched.add_request(pending[nxt][2])
+            nxt += 1
+        out = sched.schedule()
+        if on_step is not None:
+            on_step(sched, out)
+        # The scripted model: token 1 for every row that completes its tokens (never a stop token).
+        sched.update(out, [1] * sum(1 for s in out.scheduled if s.do_sample))
+        trace.record(sched, out, sched.take_finished())
+
+    results = [SimRequestResult(r.request_id, r.num_prompt_tokens, r.params.max_tokens,
+                                max(requests[i].arrival_step, 1), r.admitted_step, r.first_token_step,
+                                r.finish_step, r.num_preemptions) for i, r in enumerate(by_index)]
+    return SimResult(results, step, trace, sched)

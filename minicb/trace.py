@@ -1,0 +1,122 @@
+"""Trace: a record of what every step did, so that it can be drawn and checked afterwards.
+
+One StepRecord per step: which request sat in which slot, how many tokens each was given and
+whether they were prompt (prefill) or generation (decode) tokens, every running request's block
+table, the free/cached block counts, and who was admitted, preempted, swapped or finished.
+The simulator and the real engine write the same records, so every figure in the notebooks
+can be drawn from either.
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RowRecord:
+    request_id: str
+    slot: int
+    start: int  # position of the first token fed this step
+    num_tokens: int
+    is_prefill: bool
+    sampled: bool  # produced a token this step
+
+
+@dataclass
+class StepRecord:
+    step: int
+    rows: list[RowRecord]  # the batch, decodes first
+    block_tables: dict[str, tuple[int, ...]]  # every request holding device blocks this step
+    num_free_blocks: int  # after the step (finished requests have given theirs back)
+    num_cached_blocks: int  # free blocks still holding a reusable prefix
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_batched_tokens: int
+    fragmentation: int  # allocated token slots minus tokens stored, over the rows
+    admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    swapped_out: list[str] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # includes aborted requests
+    graph_bucket: int | None = None  # batch bucket of the CUDA graph that ran; None when eager
+    duration: float | None = None  # wall-clock seconds of the step (real engine only)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for r in self.rows if not r.is_prefill)
+
+    @property
+    def num_prefills(self) -> int:
+        return sum(1 for r in self.rows if r.is_prefill)
+
+    def __repr__(self):
+        rows = " ".join(f"[{r.slot}]{r.request_id}:{'P' if r.is_prefill else 'D'}{r.num_tokens}" for r in self.rows)
+        events = " ".join(f"{k}={v}" for k, v in (("admit", self.admitted), ("preempt", self.preempted),
+                          ("swap_out", self.swapped_out), ("swap_in", self.swapped_in),
+                          ("finish", self.finished)) if v)
+        return (f"Step {self.step}: {rows or '(idle)'} | tokens={self.num_batched_tokens} "
+                f"free_blocks={self.num_free_blocks} waiting={self.num_waiting} {events}").rstrip()
+
+
+class Trace:
+    """The list of StepRecords of one engine or simulation run, plus the sizes needed to draw it."""
+
+    def __init__(self, max_num_seqs: int, num_blocks: int, block_size: int, max_steps: int | None = None):
+        self.max_num_seqs = max_num_seqs
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_steps = max_steps  # keep only the newest records (a long-running server)
+        self.steps: list[StepRecord] = []
+
+    def record(self, scheduler, out, finished: list, graph_bucket: int | None = None,
+               duration: float | None = None) -> StepRecord:
+        """Append the record of step `out.step`; call it after `scheduler.update`."""
+        bm = scheduler.block_manager
+        rows, tables, frag = [], {}, 0
+        for s in out.scheduled:
+            req = s.request
+            rows.append(RowRecord(req.request_id, s.slot, s.start, s.num_tokens, s.is_prefill, s.do_sample))
+            tables[req.request_id] = tuple(s.block_table)
+            frag += len(s.block_table) * bm.block_size - (s.start + s.num_tokens)
+        for req in scheduler.running:  # running but given no tokens this step
+            if req.request_id not in tables:
+                tables[req.request_id] = tuple(bm.block_tables.get(req.request_id, ()))
+        rec = StepRecord(
+            step=out.step, rows=rows, block_tables=tables,
+            num_free_blocks=bm.num_free_blocks, num_cached_blocks=bm.num_cached_free_blocks,
+            num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
+            num_swapped=len(scheduler.swapped), num_batched_tokens=out.num_batched_tokens,
+            fragmentation=frag, admitted=list(out.admitted), preempted=list(out.preempted),
+            swapped_out=list(out.swapped_out), swapped_in=list(out.swapped_in),
+            finished=[r.request_id for r in finished], graph_bucket=graph_bucket, duration=duration,
+        )
+        self.steps.append(rec)
+        if self.max_steps is not None and len(self.steps) > self.max_steps:
+            del self.steps[0]
+        return rec
+
+    def __len__(self):
+        return len(self.steps)
+
+    def __getitem__(self, i):
+        return self.steps[i]
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def slot_utilization(self) -> float:
+        """Busy slot-steps / all slot-steps: how full the batch was on average."""
+        if not self.steps:
+            return 0.0
+        return sum(len(s.rows) for s in self.steps) / (len(self.steps) * self.max_num_seqs)
+
+    def request_ids(self) -> list[str]:
+        """Every request that ever ran, in order of first appearance."""
+        seen = {}
+        for s in self.steps:
+            for r in s.rows:
+                seen.setdefault(r.request_id, None)
+        return list(seen)
+
+    def __repr__(self):
+        return (f"Trace({len(self.steps)} steps, slots={self.max_num_seqs}, blocks={self.num_blocks}x"
+                f"{self.block_size}, slot utilization={self.slot_utilization():.0%})")
