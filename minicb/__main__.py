@@ -1,0 +1,142 @@
+"""Command line: python -m minicb demo | generate | bench | serve | figures (each with --help)."""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a five-year-old.",
+    "Give me three tips for baking bread.",
+    "What is 12 times 12?",
+    "Name three planets of the solar system.",
+    "Tell me a short story about a cat who learns to fly.",
+    "How do trains stay on their tracks?",
+    "Why is the sky blue?",
+    "List four colours of the rainbow.",
+    "Describe the game of chess in two sentences.",
+    "What is a good name for a pet goldfish?",
+]
+
+
+def cmd_demo(args):
+    from minicb import LLM, SamplingParams
+    from minicb.loader import load_model
+    from minicb.viz import slot_occupancy
+
+    print("Loading the embedded SmolLM2-135M-Instruct (the first run converts the GGUF file, ~20 s)...")
+    t0 = time.perf_counter()
+    loaded = load_model(args.model)
+    print(f"loaded {loaded} in {time.perf_counter() - t0:.1f} s")
+    # Different answer lengths are what continuous batching is about: cap each one differently.
+    max_tokens = (24, 64, 96, 80, 16, 32, 128, 72, 64, 40, 56, 24)
+    params = [SamplingParams(max_tokens=m, temperature=0.0) for m in max_tokens]
+    results = {}
+    for mode in ("continuous", "static"):
+        llm = LLM.from_loaded(loaded, batching=mode, max_num_seqs=args.max_num_seqs)
+        prompts = [llm.chat_prompt(p) for p in DEMO_PROMPTS]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        results[mode] = (outs, time.perf_counter() - t0, llm.engine.trace)
+        if mode == "continuous":
+            print(f"KV cache: {llm.engine.kv_cache}")
+            for q, o in zip(DEMO_PROMPTS, outs):
+                print(f"\n\033[1m> {q}\033[0m\n{o.text.strip()}  [{len(o.token_ids)} tokens, {o.finish_reason}]")
+        del llm
+    print(f"\nStatic vs continuous batching: same 12 prompts, same model, {args.max_num_seqs} slots")
+    print(f"{'mode':<12}{'steps':>7}{'time (s)':>10}{'tokens/s':>10}{'slot use':>10}")
+    for mode, (outs, dt, trace) in results.items():
+        ntok = sum(len(o.token_ids) for o in outs)
+        print(f"{mode:<12}{len(trace):>7}{dt:>10.2f}{ntok / dt:>10.1f}{trace.slot_utilization():>10.0%}")
+    same = all(a.token_ids == b.token_ids for a, b in zip(results["continuous"][0], results["static"][0]))
+    print(f"identical outputs in both modes: {same}")
+    out_dir = Path(args.figures_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for mode, (_, _, trace) in results.items():
+        path = out_dir / f"demo_slots_{mode}.png"
+        slot_occupancy(trace, title=f"demo, {mode} batching: slot occupancy").savefig(path, dpi=110)
+        print(f"wrote {path}")
+
+
+def cmd_generate(args):
+    from minicb import LLM, SamplingParams
+
+    llm = LLM(args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    prompts = [llm.chat_prompt(p) if not args.raw else p for p in args.prompts]
+    if len(prompts) == 1:  # stream one answer to the terminal as it is generated
+        for out in llm.stream(prompts, params):
+            sys.stdout.write(llm.tokenizer.decode(out.new_token_ids, skip_special_tokens=True))
+            sys.stdout.flush()
+        print()
+        return
+    for q, out in zip(args.prompts, llm.generate(prompts, params)):
+        print(f"> {q}\n{out.text.strip()}\n")
+
+
+def cmd_bench(args):
+    from minicb import bench
+
+    bench.main(args)
+
+
+def cmd_serve(args):
+    from minicb import server
+
+    server.main(args)
+
+
+def cmd_figures(args):
+    from minicb import figures
+
+    figures.main(args)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m minicb", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="answer a dozen chat prompts with the embedded model, static vs continuous")
+    p.add_argument("--model", default=None, help="model dir or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="slots (default 8: a few of 12 prompts wait)")
+    p.add_argument("--figures-dir", default="figures")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="answer prompts from the shell (one prompt streams)")
+    p.add_argument("prompts", nargs="+")
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmark workloads (see shared bench-workloads): w1, w2, w3")
+    p.add_argument("--workload", choices=["w1", "w2", "w3"], default="w3")
+    p.add_argument("--json", default=None, help="write results to this JSON file")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--model", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("figures", help="regenerate every figure in figures/")
+    p.add_argument("--out", default="figures")
+    p.set_defaults(func=cmd_figures)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:  # bad input: say what is wrong, no traceback
+        parser.exit(2, f"error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Engine and LLM: the loop that ties scheduler, model runner and trace together.
+
+    Engine.step():  scheduler.schedule()  -> which requests run, how many tokens each
+                    runner.execute(out)   -> one forward pass over all of them, sampled tokens
+                    scheduler.update()    -> append tokens, stop finished requests, free blocks
+                    trace.record()        -> what the step did, for the notebooks
+Everything a user sees (generate, stream, the HTTP server) is this loop called again and again.
+"""
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from .config import EngineConfig
+from .kv_cache import KVCache, kv_bytes_per_token
+from .loader import LoadedModel, load_model
+from .model import CausalLM
+from .model_runner import ModelRunner
+from .request import Request, RequestOutput
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .trace import Trace
+
+DEFAULT_KV_CACHE_BYTES = 512 * 2**20  # 512 MiB: ~11k tokens of SmolLM2-135M in float32
+
+
+def resolve_config(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
+    """Fill in what depends on the model: max_model_len and num_blocks (from a byte budget)."""
+    max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        per_block = kv_bytes_per_token(loaded.hf_config, getattr(torch, config.dtype)) * config.block_size
+        num_blocks = (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is smaller than one KV block "
+                             f"({per_block} bytes for block_size={config.block_size})")
+    return config.replace(max_model_len=max_len, num_blocks=num_blocks)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        dtype = getattr(torch, config.dtype)
+        loaded = loaded or load_model(config.model, dtype)
+        self.config = config = resolve_config(config, loaded)
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.vocab_size = loaded.vocab_size
+        self.model_name = loaded.name
+        model = CausalLM.from_hf(loaded.hf_config, loaded.state_dict, dtype, config.device)
+        num_cpu = config.num_blocks if config.num_cpu_blocks is None else config.num_cpu_blocks
+        self.kv_cache = KVCache(loaded.hf_config, config.num_blocks, config.block_size, dtype, config.device,
+                                num_cpu if config.preemption_mode == "swap" else 0)
+        self.scheduler = Scheduler(config)
+        self.runner = ModelRunner(model, self.kv_cache, config, config.device)
+        use_graph = config.use_cuda_graph is True or (
+            config.use_cuda_graph == "auto" and torch.device(config.device).type == "cuda")
+        if use_graph:
+            from .cuda_graph import DecodeGraphRunner
+
+            self.runner.graph_runner = DecodeGraphRunner(self.runner)
+        self.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
+        self.detokenize_every_step = True  # streaming wants text as it grows; generate() does not
+        self._next_id = 0  # for request ids chosen by the engine
+        self._num_added = 0  # arrival order (FIFO key)
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_name!r} has no tokenizer: pass token ids instead of text")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = list(prompt)
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be integers in [0, {self.vocab_size}) (the vocabulary), got {bad[:5]}")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids). Raises ValueError, changing nothing, if it can never run."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self.tokenize(prompt)
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        req = Request(request_id, ids, params, priority, arrival_index=self._num_added,
+                      eos_token_ids=self.eos_token_ids)
+        req.metrics.arrival_time = time.perf_counter()
+        self.scheduler.add_request(req)
+        self._num_added += 1
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort_request(request_id)
+        if req is None:
+            return None
+        req.metrics.finish_time = time.perf_counter()
+        return self._output(req, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration. Returns a RequestOutput for every request that got a token."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        for rid in out.admitted:
+            req = self.scheduler.requests[rid]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = t0
+        tokens = self.runner.execute(out)
+        touched = self.scheduler.update(out, tokens)
+        now = time.perf_counter()
+        outputs = []
+        for req in touched:
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if req.is_finished:
+                req.metrics.finish_time = now
+            outputs.append(self._output(req, [req.token_ids[-1]]))
+        finished = self.scheduler.take_finished()
+        if self.config.record_trace:
+            self.trace.record(self.scheduler, out, finished, self.runner.last_graph_bucket, now - t0)
+        return outputs
+
+    def _output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
+        out_ids = req.output_token_ids
+        text = ""
+        if self.tokenizer is not None and (req.is_finished or self.detokenize_every_step):
+            text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+        return RequestOutput(req.request_id, req.prompt_token_ids, out_ids, text, req.finish_reason,
+                             new_token_ids, req.metrics)
+
+
+class LLM:
+    """The offline front end: `LLM(model, **EngineConfig fields).generate(prompts, params)`."""
+
+    def __init__(self, model: str | None = None, **config_fields):
+        self.engine = Engine(EngineConfig(model=model, **config_fields))
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, **config_fields) -> "LLM":
+        """An LLM over weights already loaded (to compare configurations without reloading)."""
+        llm = cls.__new__(cls)
+        llm.engine = Engine(EngineConfig(model=loaded.name, **config_fields), loaded)
+        return llm
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def chat_prompt(self, message: str, system: str | None = None) -> list[int]:
+        """Token ids of one user message in the model's chat template, ready for a reply."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    def _add_all(self, prompts, params, priorities) -> list[str]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt given bare
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        else:
+            params = [params or SamplingParams()] * len(prompts)
+        priorities = priorities or [0] * len(prompts)
+        ids = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priorities):
+                ids.append(self.engine.add_request(prompt, p, prio))
+        except ValueError as e:  # all or nothing: a bad prompt leaves nothing behind
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise ValueError(f"prompt {len(ids)}: {e}") from None
+        return ids
+
+    def generate(self, prompts, params=None, priorities=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; one RequestOutput per prompt, in input order."""
+        ids = self._add_all(prompts, params, priorities)
+        results: dict[str, RequestOutput] = {}
+        self.engine.detokenize_every_step = False
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        t0, num_tokens = time.perf_counter(), 0
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    num_tokens += 1
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
+        finally:
+            self.engine.detokenize_every_step = True
+            if bar is not None:
+                bar.close()
+            for rid in ids:  # interrupted (e.g. Ctrl-C): do not leave requests holding blocks
+                if rid not in results:
+                    self.engine.abort_request(rid)
+        return [results[rid] for rid in ids]
+
+    def stream(self, prompts, params=None, priorities=None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput each time a request gets a token (`.finished` on its last)."""
+        ids = set(self._add_all(prompts, params, priorities))
+        remaining = set(ids)
+        try:
+            while remaining:
+                for out in self.engine.step():
+                    if out.request_id in ids:
+                        if out.finished:
+                            remaining.discard(out.request_id)
+                        yield out
+        finally:
+            for rid in remaining:
+                self.engine.abort_request(rid)

@@ -1,0 +1,60 @@
+"""Serving metrics: what users feel (latency) and what operators pay for (throughput).
+
+- TTFT, time to first token: arrival -> first generated token (queueing + prefill).
+- TPOT, time per output token: (finish - first token) / (output tokens - 1), the mean decode pace.
+- Inter-token latency: the gaps between consecutive tokens of one stream (its p99 shows stalls,
+  e.g. decodes held up by a long prefill when chunked prefill is off).
+- Throughput: output tokens / wall time from first arrival to last finish.
+"""
+
+from dataclasses import dataclass
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def tpot(metrics, num_output_tokens: int) -> float | None:
+    if num_output_tokens < 2 or metrics.first_token_time is None or metrics.finish_time is None:
+        return None
+    return (metrics.finish_time - metrics.first_token_time) / (num_output_tokens - 1)
+
+
+@dataclass
+class Summary:
+    num_requests: int
+    output_tokens: int
+    wall_time: float
+    throughput: float  # output tokens / s
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+    queue_p50: float
+
+    def __str__(self):
+        ms = lambda x: f"{1000 * x:.0f} ms"
+        return (f"{self.num_requests} requests, {self.output_tokens} tokens in {self.wall_time:.2f} s: "
+                f"{self.throughput:.1f} tok/s | TTFT p50 {ms(self.ttft_p50)} p99 {ms(self.ttft_p99)} | "
+                f"TPOT p50 {ms(self.tpot_p50)} p99 {ms(self.tpot_p99)}")
+
+
+def summarize(outputs) -> Summary:
+    """Latency percentiles and throughput of finished RequestOutputs."""
+    ms = [o.metrics for o in outputs]
+    start = min(m.arrival_time for m in ms)
+    end = max(m.finish_time for m in ms)
+    ntok = sum(len(o.token_ids) for o in outputs)
+    ttfts = [m.ttft for m in ms if m.ttft is not None]
+    tpots = [t for o in outputs if (t := tpot(o.metrics, len(o.token_ids))) is not None]
+    queues = [m.queue_time for m in ms if m.queue_time is not None]
+    return Summary(len(outputs), ntok, end - start, ntok / (end - start) if end > start else float("nan"),
+                   percentile(ttfts, 50), percentile(ttfts, 99), percentile(tpots, 50), percentile(tpots, 99),
+                   percentile(queues, 50))

@@ -1,0 +1,80 @@
+"""ModelRunner: turns one SchedulerOutput into flat tensors, runs the model once, samples.
+
+This is the seam between the scheduler's world (requests, block tables, token counts) and the
+model's world (one flat batch of tokens). Every scheduled row contributes `num_tokens`
+consecutive tokens to `input_ids`; `positions` give each token's place in its own sequence;
+`slot_mapping` says where its K/V goes in the paged cache; `block_tables` and `context_lens`
+say what each row may attend to. There is no padding between requests: a step with 60 decodes
+and one 200-token prefill chunk is a (260, hidden) matrix, which is what makes mixing prefill
+and decode in one step cheap.
+"""
+
+import torch
+
+from .attention import AttentionMetadata
+from .scheduler import SchedulerOutput
+from .sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache, config, device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.config = config
+        self.device = torch.device(device)
+        self.sampler = Sampler(config.seed)
+        self.graph_runner = None  # a DecodeGraphRunner when CUDA graphs are enabled
+        self.last_graph_bucket: int | None = None
+
+    def prepare_inputs(self, out: SchedulerOutput):
+        """(input_ids, positions, meta, sample_rows): everything the forward pass needs."""
+        bs = self.config.block_size
+        input_ids, positions, tables, context_lens, query_lens = [], [], [], [], []
+        sample_rows, num_decodes = [], 0
+        for i, row in enumerate(out.scheduled):
+            start, n = row.start, row.num_tokens
+            input_ids += row.request.token_ids[start:start + n]
+            positions += range(start, start + n)
+            context_lens.append(start + n)
+            query_lens.append(n)
+            tables.append(row.block_table[:-(-(start + n) // bs)])  # only the blocks in use
+            if n == 1 and num_decodes == i:  # the leading one-token rows take the batched decode path
+                num_decodes += 1
+            if row.do_sample:
+                sample_rows.append(i)
+        meta = AttentionMetadata.build(tables, context_lens, query_lens, num_decodes, bs,
+                                       self.kv_cache.sink_block_id, self.device)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
+        return as_tensor(input_ids), as_tensor(positions), meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        """Run one step. Returns the sampled token of every row with `do_sample`, in row order."""
+        # Swaps first: a block swapped out this step may be handed to another request below.
+        if out.blocks_to_swap_out:
+            self.kv_cache.swap_out(out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            self.kv_cache.swap_in(out.blocks_to_swap_in)
+        self.last_graph_bucket = None
+        if not out.scheduled:
+            return []
+        rows = out.scheduled
+        if self.graph_runner is not None and self.graph_runner.can_run(out):
+            logits = self.graph_runner.run(out)
+            self.last_graph_bucket = self.graph_runner.last_bucket
+            sample_rows = list(range(len(rows)))
+        else:
+            input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (num_tokens, hidden)
+            if not sample_rows:
+                return []
+            last_token = meta.query_start_loc[1:] - 1  # (num_seqs,) index of each row's last token
+            if len(sample_rows) < len(rows):
+                last_token = last_token[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden[last_token])  # (num_sampled, vocab)
+        requests = [rows[i].request for i in sample_rows]
+        for req in requests:  # a seeded request keeps one generator for its whole life
+            if req.generator is None and req.params.seed is not None:
+                req.generator = self.sampler.generator_for(req.params.seed, self.device)
+        tokens = self.sampler(logits, [r.params for r in requests], [r.generator for r in requests])
+        return tokens.tolist()
