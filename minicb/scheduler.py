@@ -111,9 +111,10 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        for queue in (self.waiting, self.running, self.swapped):
-            if req in queue:
-                queue.remove(req)
+        if req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 

@@ -1,0 +1,120 @@
+"""The Engine / LLM surface: streaming, abort, metrics, seeds, memory budget, and bad input
+that must be refused clearly while everything already queued keeps running."""
+
+import pytest
+import torch
+
+from minicb import LLM, Engine, EngineConfig, SamplingParams
+from minicb.kv_cache import kv_bytes_per_token
+from minicb.loader import load_model, save_tiny_model
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return load_model(save_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=3), dtype=torch.float64)
+
+
+@pytest.fixture
+def llm(loaded):
+    return LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=64, max_model_len=64)
+
+
+def test_stream_matches_generate(llm):
+    prompts = [[3, 4, 5], [7] * 11, [9, 8]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 2, 7)]
+    final = {o.request_id: o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)}
+    pieces, finished = {}, set()
+    for out in llm.stream(prompts, params):
+        assert out.request_id not in finished, "a request yielded after it finished"
+        pieces.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert pieces[out.request_id] == out.token_ids
+        if out.finished:
+            finished.add(out.request_id)
+    assert sorted(pieces.values()) == sorted(final.values())
+    assert len(finished) == 3
+
+
+def test_outputs_in_input_order_and_metrics(llm):
+    outs = llm.generate([[5] * 20, [6], [7] * 3], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                                    for n in (3, 9, 1)], use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [3, 9, 1]
+    assert [o.prompt_token_ids for o in outs] == [[5] * 20, [6], [7] * 3]
+    for o in outs:
+        m = o.metrics
+        assert o.finish_reason == "length"
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
+
+
+def test_abort_in_any_state_frees_blocks(loaded):
+    engine = LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=64, max_num_seqs=1).engine
+    a = engine.add_request([1, 2, 3, 4, 5], GREEDY)
+    b = engine.add_request([6, 7, 8], GREEDY)  # waits: one slot
+    engine.step()
+    assert engine.scheduler.block_manager.num_used_blocks > 0
+    out_a = engine.abort_request(a)  # running
+    out_b = engine.abort_request(b)  # waiting
+    assert out_a.finish_reason == out_b.finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    assert engine.abort_request("no-such-id") is None
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    p = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=1234)
+    alone = llm.generate([[4, 5, 6]], p, use_tqdm=False)[0].token_ids
+    others = [SamplingParams(max_tokens=5, temperature=1.0), SamplingParams(max_tokens=8, temperature=1.2, seed=7)]
+    crowd = llm.generate([[9] * 13, [4, 5, 6], [2, 3]], [others[0], p, others[1]], use_tqdm=False)
+    assert crowd[1].token_ids == alone
+    other_seed = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=99),
+                              use_tqdm=False)[0].token_ids
+    assert other_seed != alone
+
+
+def test_kv_cache_sized_from_byte_budget(loaded):
+    per_block = kv_bytes_per_token(loaded.hf_config, torch.float64) * 8
+    engine = Engine(EngineConfig(dtype="float64", block_size=8, kv_cache_bytes=10 * per_block + 5), loaded)
+    assert engine.config.num_blocks == 10
+    assert engine.kv_cache.k_caches[0].shape[0] == 11  # plus the sink block
+    with pytest.raises(ValueError, match="smaller than one KV block"):
+        Engine(EngineConfig(dtype="float64", block_size=8, kv_cache_bytes=per_block - 1), loaded)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], GREEDY, "prompt is empty"),
+    ([1] * 70, GREEDY, "exceeds max_model_len 64"),
+    ([1] * 60, SamplingParams(max_tokens=10), "exceeds max_model_len 64"),
+    ([1, 2, 500], GREEDY, r"\[0, 128\)"),
+    ([1, -1], GREEDY, r"\[0, 128\)"),
+    ("some text", GREEDY, "no tokenizer"),
+    ([1, 2], "not params", "SamplingParams"),
+])
+def test_bad_requests_are_refused_and_the_rest_keeps_running(llm, prompt, params, match):
+    engine = llm.engine
+    good = engine.add_request([3, 4, 5], GREEDY)
+    engine.step()
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[-1].request_id == good and len(outs[-1].token_ids) == 6
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+])
+def test_invalid_sampling_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_generate_is_all_or_nothing(llm):
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.generate([[1, 2, 3], [], [4]], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
