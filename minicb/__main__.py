@@ -1,6 +1,7 @@
 """Command line: python -m minicb demo | generate | bench | serve | figures (each with --help)."""
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -77,24 +78,6 @@ def cmd_generate(args):
         print(f"> {q}\n{out.text.strip()}\n")
 
 
-def cmd_bench(args):
-    from minicb import bench
-
-    bench.main(args)
-
-
-def cmd_serve(args):
-    from minicb import server
-
-    server.main(args)
-
-
-def cmd_figures(args):
-    from minicb import figures
-
-    figures.main(args)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m minicb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,20 +99,14 @@ def main(argv=None):
     p.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmark workloads (see shared bench-workloads): w1, w2, w3")
-    p.add_argument("--workload", choices=["w1", "w2", "w3"], default="w3")
-    p.add_argument("--json", default=None, help="write results to this JSON file")
-    p.set_defaults(func=cmd_bench)
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.add_argument("--model", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.set_defaults(func=cmd_serve)
-
-    p = sub.add_parser("figures", help="regenerate every figure in figures/")
-    p.add_argument("--out", default="figures")
-    p.set_defaults(func=cmd_figures)
+    # These three own their options: each module has add_arguments(parser) and main(args).
+    for name, help_text in (("bench", "benchmark workloads w1 (CPU), w2 (GPU), w3 (scheduler overhead)"),
+                            ("serve", "OpenAI-compatible HTTP server with streaming"),
+                            ("figures", "regenerate every figure in figures/")):
+        module = importlib.import_module(f"minicb.{name}")
+        p = sub.add_parser(name, help=help_text, description=module.__doc__)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
 
     args = parser.parse_args(argv)
     try:
