@@ -1,0 +1,187 @@
+"""Paged attention in plain PyTorch (no Triton, no custom kernels).
+
+Idea (PagedAttention, Kwon et al., SOSP 2023): a sequence's keys and values live in
+blocks scattered over the KV cache; its block_table lists them in order. Three steps:
+
+  store_kv           write this step's K/V into their slots (slot_mapping), one index_copy_
+  decode_attention   one query per sequence: gather the blocks of every table, mask the
+                     slots past context_len, attend. Fixed shapes, so it can be captured
+                     in a CUDA graph.
+  prefill_attention  a chunk of queries per sequence (chunked prefill, Sarathi,
+                     Agrawal et al. 2023): attend causally to the cached prefix + the chunk.
+
+One flat batch mixes both: the first `num_decodes` sequences are decodes (one token each),
+the rest are prefill chunks. Grouped-query attention (Ainslie et al., 2023): `group` query
+heads share one kv head; we reshape the queries instead of copying K/V `group` times.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each sequence may attend to."""
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: block_id * block_size + offset for each token's K/V
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int64, padded with the sink block id
+    context_lens: torch.Tensor  # (num_seqs,) int64: tokens in the cache AFTER this step's writes
+    query_start_loc: torch.Tensor  # (num_seqs + 1,) int64: cumulative query lengths
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    query_start_loc_host: list[int]  # host copies: the prefill loop never waits for the device
+    context_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]  # a shape, not a value: safe inside a CUDA graph
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        context_lens: list[int],
+        query_lens: list[int],
+        num_decodes: int,
+        block_size: int,
+        pad_block_id: int,
+        device="cpu",
+    ) -> "AttentionMetadata":
+        """Metadata from plain lists: sequence i has `query_lens[i]` new tokens, the last
+        ones of its `context_lens[i]` tokens, stored in the blocks `block_tables[i]`."""
+        if not len(block_tables) == len(context_lens) == len(query_lens):
+            raise ValueError("block_tables, context_lens and query_lens must have one entry per sequence")
+        if any(q != 1 for q in query_lens[:num_decodes]):
+            raise ValueError(f"the first num_decodes={num_decodes} sequences must have query_len 1")
+        slots, starts = [], [0]
+        for table, ctx, qlen in zip(block_tables, context_lens, query_lens):
+            if not 1 <= qlen <= ctx:
+                raise ValueError(f"query_len {qlen} must be between 1 and context_len {ctx}")
+            if len(table) * block_size < ctx:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold context_len {ctx}")
+            for pos in range(ctx - qlen, ctx):  # absolute positions of the new tokens
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            starts.append(starts[-1] + qlen)
+        width = max(len(t) for t in block_tables)
+        padded = [t + [pad_block_id] * (width - len(t)) for t in block_tables]
+
+        def as_tensor(x):
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        return cls(
+            slot_mapping=as_tensor(slots),
+            block_tables=as_tensor(padded),
+            context_lens=as_tensor(context_lens),
+            query_start_loc=as_tensor(starts),
+            num_decodes=num_decodes,
+            query_start_loc_host=starts,
+            context_lens_host=list(context_lens),
+        )
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write K/V of shape (num_tokens, kv_heads, head_dim) into their slots of the paged cache."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    # (num_blocks, block_size, kv_heads, head_dim) seen as (num_slots, kv_heads, head_dim)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None):
+    """One query per sequence against its cached context.
+
+    q: (B, num_heads, head_dim); block_tables: (B, max_blocks); context_lens: (B,).
+    Returns (B, num_heads, head_dim). Graph-safe: every shape comes from tensor shapes,
+    never from tensor values (no .item(), no boolean indexing).
+    """
+    batch, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = num_heads // kv_heads
+    max_len = block_tables.shape[1] * block_size  # gather width: decided by the caller
+
+    # Gather each sequence's blocks in table order: (B, max_len, kv_heads, head_dim)
+    flat_tables = block_tables.reshape(-1)
+    k = k_cache.index_select(0, flat_tables).view(batch, max_len, kv_heads, head_dim)
+    v = v_cache.index_select(0, flat_tables).view(batch, max_len, kv_heads, head_dim)
+
+    # Grouped-query attention without copying K/V: the `group` query heads that share kv head h
+    # form one (group, head_dim) matrix per sequence. Looping over the few kv heads keeps every
+    # matmul on strided views of the gathered K/V (a 4-d matmul would first copy K transposed).
+    qg = q.reshape(batch, kv_heads, group, head_dim)
+    scores = torch.stack([qg[:, h] @ k[:, :, h].transpose(1, 2) for h in range(kv_heads)], dim=1)
+    # scores: (B, kv_heads, group, max_len)
+
+    # Slot t holds absolute position t; only positions < context_len are this sequence's.
+    positions = torch.arange(max_len, device=q.device)
+    masked = positions >= context_lens[:, None]  # (B, max_len)
+    if sliding_window is not None:  # the query sits at position context_len - 1
+        masked |= positions <= context_lens[:, None] - 1 - sliding_window
+    # Softmax in at least float32 (bf16/fp16 sums lose digits); float64 stays float64.
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = (scores.to(softmax_dtype) * scale).masked_fill(masked[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+
+    out = torch.stack([probs[:, h] @ v[:, :, h] for h in range(kv_heads)], dim=1)  # (B, kv_heads, group, head_dim)
+    return out.view(batch, num_heads, head_dim)
+
+
+def prefill_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None):
+    """Causal attention for every prefill chunk of the batch (sequences num_decodes..num_seqs-1).
+
+    q: (num_tokens, num_heads, head_dim), k/v: (num_tokens, kv_heads, head_dim) for the
+    whole batch; this step's K/V must already be stored. Returns the outputs of the
+    prefill tokens only: (num_tokens - num_decodes, num_heads, head_dim).
+    """
+    block_size = k_cache.shape[1]
+    starts, outs = meta.query_start_loc_host, []
+    for i in range(meta.num_decodes, meta.num_seqs):
+        start, end = starts[i], starts[i + 1]
+        query_len, context_len = end - start, meta.context_lens_host[i]
+        prefix_len = context_len - query_len  # tokens cached by earlier steps
+        if prefix_len == 0:  # nothing cached before: the chunk's own K/V is everything
+            keys, values = k[start:end], v[start:end]
+        else:  # gather the prefix + chunk from the cache: (context_len, kv_heads, head_dim)
+            table = meta.block_tables[i, : -(-context_len // block_size)]
+            keys = k_cache.index_select(0, table).flatten(0, 1)[:context_len]
+            values = v_cache.index_select(0, table).flatten(0, 1)[:context_len]
+
+        # Query j sits at absolute position prefix_len + j and sees keys 0..prefix_len + j.
+        q_pos = torch.arange(prefix_len, context_len, device=q.device)[:, None]
+        k_pos = torch.arange(context_len, device=q.device)[None, :]
+        allowed = k_pos <= q_pos  # (query_len, context_len)
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+
+        # SDPA wants (heads, len, head_dim); enable_gqa shares kv heads across query groups.
+        out = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=allowed,
+            scale=scale,
+            enable_gqa=True,
+        )
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None):
+    """Store this step's K/V, then attend: decodes first, prefill chunks after.
+
+    q: (num_tokens, num_heads, head_dim), k/v: (num_tokens, kv_heads, head_dim).
+    Returns (num_tokens, num_heads, head_dim).
+    """
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    nd = meta.num_decodes
+    parts = []
+    if nd > 0:
+        tables, lens = meta.block_tables[:nd], meta.context_lens[:nd]
+        parts.append(decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale, sliding_window))
+    if meta.num_seqs > nd:
+        parts.append(prefill_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
