@@ -1,0 +1,411 @@
+"""The OpenAI-compatible server, driven over real loopback HTTP (httpx, and the openai client).
+
+Tiny random float64 models keep it fast and exact: every output is compared token for token with
+`LLM.generate` on the same weights. One model has no tokenizer (prompts are token ids); a copy
+gets a word-level tokenizer with a chat template so text prompts and /v1/chat/completions run too.
+Every loop below is bounded in count and time.
+"""
+
+import asyncio
+import json
+import socket
+import time
+from contextlib import ExitStack, contextmanager
+
+import httpx
+import pytest
+import torch
+
+from minicb import LLM, Engine, EngineConfig, SamplingParams
+from minicb.async_engine import AsyncEngine
+from minicb.loader import load_model, save_tiny_model
+from minicb.server import ServerThread, build_app
+
+CONFIG = dict(dtype="float64", block_size=4, num_blocks=1024, max_num_seqs=8)
+MAX_LEN = 2048  # the tiny models' max_position_embeddings: long enough to outlive a disconnect
+NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # no Nagle delay between headers and body
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP threads
+    # that wait for each other can stretch a ~1 ms step to ~50 ms.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def add_word_tokenizer(path):
+    """Give a tiny model a tokenizer: words "w3".."w127" are token ids 3..127, plus a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<s>", "</s>", "<unk>", "system", "user", "assistant"] + [f"w{i}" for i in range(6, 128)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+                          "{% if add_generation_prompt %}<s> assistant{% endif %}")
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):  # no tokenizer
+    return load_model(save_tiny_model(tmp_path_factory.mktemp("plain"), seed=5, max_position_embeddings=MAX_LEN),
+                      torch.float64)
+
+
+@pytest.fixture(scope="module")
+def worded(tmp_path_factory):  # the same weights, with a tokenizer and a chat template
+    path = save_tiny_model(tmp_path_factory.mktemp("worded"), seed=5, max_position_embeddings=MAX_LEN)
+    return load_model(add_word_tokenizer(path), torch.float64)
+
+
+class Served:
+    """A running server on loopback, its engine, and a sync httpx client."""
+
+    def __init__(self, stack: ExitStack, loaded, max_waiting=64, trace_steps=5000, **config):
+        self.engine = Engine(EngineConfig(model=loaded.name, **{**CONFIG, **config}), loaded)
+        self.async_engine = AsyncEngine(self.engine, max_waiting=max_waiting, trace_steps=trace_steps)
+        self.url = stack.enter_context(ServerThread(build_app(self.async_engine)))
+        self.http = stack.enter_context(httpx.Client(base_url=self.url, timeout=30,
+                                                     transport=httpx.HTTPTransport(socket_options=NODELAY)))
+        self.name = loaded.name
+
+    def metrics(self) -> dict[str, float]:
+        lines = self.http.get("/metrics").text.splitlines()
+        return {k.removeprefix("minicb_"): float(v) for k, v in (l.rsplit(" ", 1) for l in lines if l[:1] != "#")}
+
+    def wait_idle(self, timeout=10.0) -> dict[str, float]:
+        """Metrics once nothing runs or waits and every KV block is free (fails after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["num_requests_running"] == m["num_requests_waiting"] == m["kv_blocks_used"] == 0:
+                return m
+            assert time.monotonic() < deadline, f"server not idle after {timeout} s: {m}"
+            time.sleep(0.02)
+
+
+@contextmanager
+def serve(loaded, **kw):
+    with ExitStack() as stack:
+        yield Served(stack, loaded, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(plain):
+    with serve(plain) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def chat_server(worded):
+    with serve(worded) as s:
+        yield s
+
+
+def reference(loaded, prompts, params):
+    """Token ids from the offline LLM on the same weights (float64: exact)."""
+    llm = LLM.from_loaded(loaded, **{**CONFIG, "max_num_seqs": 1})
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def sse_events(response) -> list:
+    """The `data:` payloads of a server-sent-event stream (the last one must be [DONE])."""
+    events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def stream_completion(s: Served, path: str, body: dict) -> list:
+    with s.http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r)
+
+
+# ---------------------------------------------------------------------- the basics
+def test_models_health_and_metrics(server):
+    models = server.http.get("/v1/models").json()
+    assert models["data"][0]["id"] == server.name and models["data"][0]["max_model_len"] == MAX_LEN
+    assert server.http.get("/health").json() == {"status": "ok"}
+    r = server.http.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_blocks_used",
+                 "kv_blocks_free", "generation_tokens_per_second", "time_to_first_token_seconds_bucket",
+                 "time_per_output_token_seconds_count", "batch_size_bucket"):
+        assert f"minicb_{name}" in r.text
+    assert server.metrics()["kv_blocks_free"] == CONFIG["num_blocks"]
+
+
+def test_concurrent_requests_share_decode_steps(server, plain):
+    prompts = [[3 + i, 40 + i, 7] * (1 + i % 3) for i in range(8)]
+    lengths = [24 + 5 * i for i in range(8)]
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True} for p, n in zip(prompts, lengths)]
+    expected = reference(plain, prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                          for n in lengths])
+
+    async def one(client, body, stream):
+        if not stream:
+            r = await client.post("/v1/completions", json=body)
+            return r.json()["id"], r.json()["choices"][0]["token_ids"]
+        ids, rid = [], None
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    rid, ids = chunk["id"], ids + chunk["choices"][0]["token_ids"]
+        return rid, ids
+
+    async def all_at_once():
+        transport = httpx.AsyncHTTPTransport(socket_options=NODELAY)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, transport=transport) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, b, i % 2 == 0) for i, b in enumerate(bodies))),
+                                          timeout=30)
+
+    before = server.metrics()
+    results = asyncio.run(all_at_once())
+    assert [ids for _, ids in results] == expected  # batching changes nothing
+    mine = {rid.removeprefix("cmpl-") for rid, _ in results}
+    shared = [step for step in server.engine.trace if sum(r.request_id in mine and not r.is_prefill
+                                                          for r in step.rows) >= 2]
+    assert shared, "no engine step decoded two of these HTTP requests together"
+    after = server.wait_idle()
+    # The batch-size histogram of /metrics saw steps with more than one request in them.
+    more_than_one = lambda m: m["batch_size_count"] - m['batch_size_bucket{le="1"}']
+    assert more_than_one(after) > more_than_one(before)
+    assert after['requests_finished_total{finish_reason="length"}'] - \
+        before['requests_finished_total{finish_reason="length"}'] == 8
+
+
+def test_streamed_equals_non_streamed_completions(server, plain):
+    prompts = [[5, 6, 7], [9] * 13, [20, 21]]
+    expected = reference(plain, prompts, SamplingParams(max_tokens=12, temperature=0))
+    for prompt, want in zip(prompts, expected):
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        whole = server.http.post("/v1/completions", json=body).json()
+        assert whole["object"] == "text_completion" and whole["choices"][0]["token_ids"] == want
+        assert whole["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(want),
+                                  "total_tokens": len(prompt) + len(want)}
+        chunks = stream_completion(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        *token_chunks, last = chunks
+        assert [t for c in token_chunks for t in c["choices"][0]["token_ids"]] == want
+        assert token_chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+        assert all(c["choices"][0]["finish_reason"] is None for c in token_chunks[:-1])
+        assert last["choices"] == [] and last["usage"] == whole["usage"]
+
+
+def test_streamed_equals_non_streamed_chat_and_text(chat_server, worded):
+    s = chat_server
+    messages = [{"role": "system", "content": "w9 w10"}, {"role": "user", "content": "w30 w31 w32 w33"}]
+    body = {"messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    whole = s.http.post("/v1/chat/completions", json=body).json()
+    message = whole["choices"][0]["message"]
+    assert whole["object"] == "chat.completion" and message["role"] == "assistant"
+    chat_ids = worded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)
+    want = reference(worded, [list(chat_ids)], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert whole["choices"][0]["token_ids"] == want
+    assert message["content"] == worded.tokenizer.decode(want, skip_special_tokens=True) != ""
+    chunks = stream_completion(s, "/v1/chat/completions", body)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == message["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # A text prompt on /v1/completions: streamed text pieces add up to the whole text.
+    body = {"prompt": "w40 w41 w42", "max_tokens": 9, "temperature": 0}
+    whole = s.http.post("/v1/completions", json=body).json()["choices"][0]
+    pieces = stream_completion(s, "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in pieces) == whole["text"]
+    assert [t for c in pieces for t in c["choices"][0]["token_ids"]] == whole["token_ids"]
+
+
+# ---------------------------------------------------------------------- bad input
+LONG = {"max_tokens": MAX_LEN - 3}
+BAD_COMPLETIONS = [  # (body, status, words in the message, param)
+    (b'{"prompt": [1, 2', 400, "not valid JSON", None),
+    (b"[1, 2]", 400, "must be a JSON object", None),
+    ({"max_tokens": 4}, 400, "'prompt' is required", "prompt"),
+    ({"prompt": 5}, 400, "'prompt' must be a string or a list of integer token ids", "prompt"),
+    ({"prompt": [3, "a"]}, 400, "'prompt' must be", "prompt"),
+    ({"prompt": [3, True]}, 400, "'prompt' must be", "prompt"),
+    ({"prompt": []}, 400, "'prompt' is empty", "prompt"),
+    ({"prompt": "some text"}, 400, "has no tokenizer", "prompt"),
+    ({"prompt": [3, 500]}, 400, "token ids must be integers in [0, 128)", "prompt"),
+    ({"prompt": [3], "max_tokens": "8"}, 400, "'max_tokens' must be an integer", "max_tokens"),
+    ({"prompt": [3], "max_tokens": 8.5}, 400, "'max_tokens' must be an integer", "max_tokens"),
+    ({"prompt": [3], "max_tokens": 0}, 400, "max_tokens must be a positive integer", "max_tokens"),
+    ({"prompt": [3], "max_tokens": -5}, 400, "max_tokens must be a positive integer", "max_tokens"),
+    ({"prompt": [3], "max_tokens": 10**6}, 400, "exceeds max_model_len 2048", None),
+    ({"prompt": [3] * (MAX_LEN + 5)}, 400, "exceeds max_model_len 2048", None),
+    ({"prompt": [3], "temperature": -0.5}, 400, "temperature must be >= 0", "temperature"),
+    ({"prompt": [3], "temperature": "hot"}, 400, "'temperature' must be a number", "temperature"),
+    ({"prompt": [3], "top_p": 0}, 400, "top_p must be in (0, 1]", "top_p"),
+    ({"prompt": [3], "top_p": 1.5}, 400, "top_p must be in (0, 1]", "top_p"),
+    ({"prompt": [3], "top_k": -1}, 400, "top_k must be an integer >= 0", "top_k"),
+    ({"prompt": [3], "top_k": 2.5}, 400, "'top_k' must be an integer", "top_k"),
+    ({"prompt": [3], "seed": "x"}, 400, "'seed' must be an integer", "seed"),
+    ({"prompt": [3], "stream": "yes"}, 400, "'stream' must be a boolean", "stream"),
+    ({"prompt": [3], "n": 2}, 400, "'n' is not supported", "n"),
+    ({"prompt": [3], "stop": ["\n"]}, 400, "'stop' is not supported", "stop"),
+    ({"prompt": [3], "model": "gpt-4"}, 404, "is not served here", "model"),
+]
+BAD_CHAT = [
+    ({"max_tokens": 4}, 400, "'messages' is required", "messages"),
+    ({"messages": "hi"}, 400, "'messages' must be an array", "messages"),
+    ({"messages": [{"content": "hi"}]}, 400, "messages[0] must be an object with a string 'role'", "messages"),
+    ({"messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content must be a string", "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "has no chat template", "messages"),
+]
+
+
+def check_error(r, status, words, param):
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert words in error["message"], error
+    assert error["param"] == param and error["code"] == status and error["type"]
+
+
+def test_bad_input_is_refused_and_running_requests_survive(server, chat_server, plain):
+    survivor = {"prompt": [11, 12, 13], "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
+    expected = reference(plain, [survivor["prompt"]], SamplingParams(max_tokens=600, temperature=0,
+                                                                     ignore_eos=True))[0]
+    with server.http.stream("POST", "/v1/completions", json=survivor) as running:
+        lines = running.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        for body, status, words, param in BAD_COMPLETIONS:
+            kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            check_error(server.http.post("/v1/completions", **kw), status, words, param)
+        for body, status, words, param in BAD_CHAT:
+            check_error(server.http.post("/v1/chat/completions", json=body), status, words, param)
+        check_error(server.http.get("/v1/nowhere"), 404, "Not Found", None)
+        check_error(server.http.get("/v1/completions"), 405, "Method Not Allowed", None)
+        assert server.metrics()["num_requests_running"] == 1, "the survivor should still be running"
+        rest = [line for line in lines if line.startswith("data: ")]
+    chunks = [json.loads(line[6:]) for line in [first] + rest[:-1]]
+    assert rest[-1] == "data: [DONE]"
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == expected
+    server.wait_idle()
+    # Chat-specific refusals on the model that has a chat template.
+    too_long = " ".join(["w50"] * MAX_LEN)
+    for body, words in (({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+                        ({"messages": [{"role": "user", "content": too_long}]}, "leaves no room for a reply")):
+        check_error(chat_server.http.post("/v1/chat/completions", json=body), 400, words, "messages")
+
+
+# ---------------------------------------------------------------------- clients that leave, a full queue
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    before = server.metrics()
+    body = {"prompt": [4, 5, 6], "max_tokens": MAX_LEN - 3, "temperature": 0, "ignore_eos": True, "stream": True}
+    with server.http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        for _ in range(3):  # a few tokens arrive, then this client hangs up
+            next(line for line in lines if line.startswith("data: "))
+        assert server.metrics()["kv_blocks_used"] > 0
+    after = server.wait_idle()
+    aborted = 'requests_finished_total{finish_reason="abort"}'
+    assert after[aborted] == before[aborted] + 1
+    assert after["kv_blocks_free"] == CONFIG["num_blocks"]
+    # A non-streaming client that times out is aborted as well.
+    with pytest.raises(httpx.ReadTimeout):
+        server.http.post("/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    assert server.wait_idle()[aborted] == before[aborted] + 2
+
+
+def test_full_waiting_queue_answers_503(plain):
+    body = {"prompt": [7, 8], "max_tokens": MAX_LEN - 2, "temperature": 0, "ignore_eos": True, "stream": True}
+    with serve(plain, max_num_seqs=1, max_waiting=1, trace_steps=20) as s:
+        with s.http.stream("POST", "/v1/completions", json=body) as first:
+            lines = first.iter_lines()  # keep it: a discarded iterator would close the connection
+            next(line for line in lines if line.startswith("data: "))  # running
+            with s.http.stream("POST", "/v1/completions", json=body) as second:
+                assert second.status_code == 200  # accepted: it waits for the only slot
+                m = s.metrics()
+                assert (m["num_requests_running"], m["num_requests_waiting"]) == (1, 1)
+                r = s.http.post("/v1/completions", json=body)
+                assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                assert "max_waiting=1" in r.json()["error"]["message"]
+        m = s.wait_idle()  # both clients left: the running and the waiting request were aborted
+        assert m['requests_finished_total{finish_reason="abort"}'] == 2 and m["requests_rejected_total"] == 1
+        ok = s.http.post("/v1/completions", json={"prompt": [7], "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) >= 1
+        assert 0 < len(s.engine.trace) <= 20  # the trace keeps only the newest steps
+
+
+def test_engine_failure_fails_its_requests_and_the_server_keeps_serving(plain):
+    with serve(plain) as s:
+        execute = s.engine.runner.execute
+
+        def broken(out):
+            raise RuntimeError("simulated device failure")
+
+        s.engine.runner.execute = broken  # the engine loop is idle: it calls this on the next step
+        r = s.http.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": 5})
+        assert r.status_code == 500 and "simulated device failure" in r.json()["error"]["message"]
+        s.engine.runner.execute = execute
+        s.wait_idle()
+        assert s.http.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": 5}).status_code == 200
+        assert s.http.get("/health").status_code == 200
+
+
+# ---------------------------------------------------------------------- the openai client
+def test_openai_client(server, chat_server, plain):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list()] == [server.name]
+    out = client.completions.create(model=server.name, prompt=[5, 6, 7], max_tokens=8, temperature=0)
+    want = reference(plain, [[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert out.choices[0].token_ids == want and out.usage.completion_tokens == len(want)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be a positive integer"):
+        client.completions.create(model=server.name, prompt=[5], max_tokens=0)
+    chat = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": "w60 w61 w62"}]
+    whole = chat.chat.completions.create(model=chat_server.name, messages=messages, max_tokens=8, temperature=0)
+    streamed = chat.chat.completions.create(model=chat_server.name, messages=messages, max_tokens=8,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+# ---------------------------------------------------------------------- the load test
+def test_loadtest_reports_and_blocks_return(tmp_path, capsys):
+    from minicb import loadtest
+
+    out = tmp_path / "load.json"
+    common = ["--tiny", "--dtype", "float64", "--prompt-len", "8", "--json", str(out)]
+    rc = loadtest.main(common + ["--concurrency", "1,4", "--num-requests", "8", "--max-tokens", "16",
+                                 "--time-limit", "60"])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["ok"]
+    for level in result["levels"]:
+        assert level["done"] == level["compared"] == level["same_output"] == 8 and level["all_blocks_free"]
+        assert level["tokens_per_s"] > 0 and level["ttft_p50"] <= level["ttft_p99"]
+    assert "req/s" in capsys.readouterr().out
+    # A time limit that cuts the run short: the cancelled clients' requests are aborted, blocks come back.
+    rc = loadtest.main(common + ["--concurrency", "2", "--num-requests", "40", "--max-tokens", "200",
+                                 "--time-limit", "0.5"])
+    (level,) = json.loads(out.read_text())["levels"]
+    assert rc == 0 and level["cancelled"] > 0 and level["done"] + level["cancelled"] == 40
+    assert level["all_blocks_free"] and level["blocks_free"] == level["blocks_total"]
+    with pytest.raises(ValueError, match="only targets loopback"):
+        loadtest.check_loopback("http://10.0.0.1:8000")
+
+
+# ---------------------------------------------------------------------- the embedded model
+@pytest.mark.slow
+def test_embedded_model_chat_stream_matches(tmp_path):
+    loaded = load_model(None)
+    with serve(loaded, dtype="float32", block_size=16, num_blocks=256) as s:
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        body = {"messages": messages, "max_tokens": 24, "temperature": 0}
+        whole = s.http.post("/v1/chat/completions", json=body).json()
+        text = whole["choices"][0]["message"]["content"]
+        assert "Paris" in text
+        chunks = stream_completion(s, "/v1/chat/completions", body)
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
+        s.wait_idle()
