@@ -7,6 +7,11 @@ consecutive tokens to `input_ids`; `positions` give each token's place in its ow
 say what each row may attend to. There is no padding between requests: a step with 60 decodes
 and one 200-token prefill chunk is a (260, hidden) matrix, which is what makes mixing prefill
 and decode in one step cheap.
+
+Decode-only steps may instead be replayed from a captured CUDA graph (`graph_runner`, a
+DecodeGraphRunner from cuda_graph.py, set by the engine when `use_cuda_graph` is on): it copies
+the same inputs into static buffers and returns the same logits. Sampling always runs here,
+outside the graph, and the eager path below is the reference every graph must match.
 """
 
 import torch
@@ -59,8 +64,8 @@ class ModelRunner:
         if not out.scheduled:
             return []
         rows = out.scheduled
-        if self.graph_runner is not None and self.graph_runner.can_run(out):
-            logits = self.graph_runner.run(out)
+        if self.graph_runner is not None and self.graph_runner.can_run(out):  # decode-only, fits a bucket
+            logits = self.graph_runner.run(out)  # (num_rows, vocab), every row samples
             self.last_graph_bucket = self.graph_runner.last_bucket
             sample_rows = list(range(len(rows)))
         else:

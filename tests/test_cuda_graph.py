@@ -1,0 +1,273 @@
+"""CUDA-graph decode, tested on CPU through the emulation (capture keeps the callable, replay runs it).
+
+What a real graph would get wrong, and these tests catch: a step that depends on anything but its
+static buffers (replayed with new contents, it must still match eager mode), a host read or a
+data-dependent shape inside the step (refused at capture), padded rows that write outside the sink
+block, and any token that differs from eager mode or from transformers' generate.
+"""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import minicb.model
+from minicb import LLM, SamplingParams
+from minicb.cuda_graph import DecodeGraphRunner, NoHostReads, batch_buckets
+from minicb.loader import load_model, make_tiny_model, save_tiny_model
+from minicb.request import Request
+from minicb.scheduler import ScheduledRequest, SchedulerOutput
+
+rng = random.Random(0)
+# 16 prompts of 1..12 tokens, all prefilled in the first step with the default token budget;
+# distinct output lengths 2..17 make the decode batch shrink 16, 15, ..., 1: every bucket, padded.
+PROMPTS = [[rng.randrange(2, 128) for _ in range(rng.randint(1, 12))] for _ in range(16)]
+MAX_TOKENS = rng.sample(range(2, 18), 16)
+
+
+# ---------------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return load_model(save_tiny_model(tmp_path_factory.mktemp("qwen3"), arch="qwen3", seed=2), dtype=torch.float64)
+
+
+def make_runner(loaded, **config):
+    """A ModelRunner without graphs and a DecodeGraphRunner over it, KV cache filled with noise
+    so that attention results depend on every block table and context length."""
+    llm = LLM.from_loaded(loaded, dtype="float64", use_cuda_graph=False, **config)
+    runner = llm.engine.runner
+    generator = torch.Generator(runner.device).manual_seed(0)
+    runner.kv_cache.k.normal_(generator=generator)
+    runner.kv_cache.v.normal_(generator=generator)
+    return runner, DecodeGraphRunner(runner)
+
+
+def decode_batch(context_lens, block_size, num_blocks, seed=0) -> SchedulerOutput:
+    """A decode-only step: row i feeds its token at position context_lens[i] - 1; random distinct blocks."""
+    r = random.Random(seed)
+    free = r.sample(range(num_blocks), sum(-(-c // block_size) for c in context_lens))
+    rows = []
+    for i, ctx in enumerate(context_lens):
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        req = Request(f"r{i}", [r.randrange(128) for _ in range(ctx)], SamplingParams(max_tokens=1))
+        rows.append(ScheduledRequest(req, start=ctx - 1, num_tokens=1, is_prefill=False, do_sample=True,
+                                     block_table=table, slot=i))
+    return SchedulerOutput(step=1, scheduled=rows, num_batched_tokens=len(rows))
+
+
+@torch.inference_mode()
+def graph_and_eager_logits(runner, graphs, out):
+    """Logits of one decode step run eagerly and through the graph, from the same cache contents."""
+    kv = runner.kv_cache
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    input_ids, positions, meta, _ = runner.prepare_inputs(out)
+    eager = runner.model.compute_logits(runner.model(input_ids, positions, kv, meta))
+    kv.k.copy_(k0)
+    kv.v.copy_(v0)
+    return graphs.run(out).clone(), eager
+
+
+def assert_replays_match_eager(runner, graphs, max_len):
+    """Replay every bucket with new contents (sizes, contexts, tables) and compare with eager mode.
+    The cache needs 16 * ceil(max_len / block_size) blocks."""
+    bs, r = runner.config.block_size, random.Random(1)
+    for size in [1, 2, 3, 4, 5, 8, 11, 16, 9]:  # 3 and 4 share a bucket, so do 11, 16 and 9
+        out = decode_batch([r.randint(1, max_len) for _ in range(size)], bs, runner.config.num_blocks, seed=size)
+        graph, eager = graph_and_eager_logits(runner, graphs, out)
+        assert graphs.last_bucket == graphs.bucket_for(size)
+        assert graph.shape == eager.shape == (size, 128)
+        torch.testing.assert_close(graph, eager, rtol=0, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------- buckets
+def test_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(1) == [1]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        batch_buckets(0)
+
+
+def test_capture_order_buffers_and_routing(loaded):
+    runner, graphs = make_runner(loaded, block_size=4, num_blocks=100, max_num_seqs=20, max_model_len=30)
+    assert graphs.buckets == [1, 2, 4, 8, 16, 20]
+    assert list(graphs.graphs) == [20, 16, 8, 4, 2, 1], "the largest bucket must be captured first"
+    assert graphs.block_tables.shape == (20, 8)  # ceil(max_model_len 30 / block_size 4) columns
+    assert graphs.input_ids.shape == graphs.context_lens.shape == graphs.slot_mapping.shape == (20,)
+    assert graphs.model is runner.model and graphs.kv_cache is runner.kv_cache  # shared, not copied
+    assert [graphs.bucket_for(n) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
+    assert "emulated" in repr(graphs)
+
+    assert graphs.can_run(decode_batch([5] * 20, 4, 100))
+    assert not graphs.can_run(decode_batch([5] * 21, 4, 100)), "above the largest bucket: eager"
+    mixed = decode_batch([5, 7], 4, 100)
+    mixed.scheduled[1] = dataclasses.replace(mixed.scheduled[1], start=3, num_tokens=4, is_prefill=True)
+    assert not graphs.can_run(mixed), "a step with a prefill chunk runs eagerly"
+    with pytest.raises(ValueError, match="eagerly"):
+        graphs.run(mixed)
+
+
+def test_capture_is_cheap_in_emulation(loaded):
+    _, graphs = make_runner(loaded, block_size=16, num_blocks=64, max_num_seqs=64)
+    assert graphs.buckets == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graphs.capture_seconds < 10, "a second or so on 2 idle cores; 10 s leaves room for a busy machine"
+
+
+# ---------------------------------------------------------------------------------- graph safety
+@pytest.mark.parametrize("block_size,max_len", [(4, 60), (1, 40), (16, 200)])
+def test_replay_with_new_contents_matches_eager(loaded, block_size, max_len):
+    runner, graphs = make_runner(loaded, block_size=block_size, num_blocks=16 * (max_len // block_size + 1),
+                                 max_num_seqs=16, max_model_len=max_len)
+    assert_replays_match_eager(runner, graphs, max_len)
+
+
+def narrow_to_host_max(real):
+    """A regression: gather only as many blocks as the longest context, taken from a host list."""
+    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
+        width = -(-max(meta.context_lens_host) // k_cache.shape[1])  # Python max(): frozen at capture
+        meta = dataclasses.replace(meta, block_tables=meta.block_tables[:, :width])
+        return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    return paged_attention
+
+
+def test_a_width_from_python_max_is_caught(loaded, monkeypatch):
+    # Eager mode cannot see this bug (its host lists are live); the replay-with-new-contents check must.
+    monkeypatch.setattr(minicb.model, "paged_attention", narrow_to_host_max(minicb.model.paged_attention))
+    runner, graphs = make_runner(loaded, block_size=4, num_blocks=256, max_num_seqs=16, max_model_len=60)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_replays_match_eager(runner, graphs, 60)
+
+
+def width_from_item(real):
+    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
+        width = -(-int(meta.context_lens.max()) // k_cache.shape[1])  # a device value read on the host
+        meta = dataclasses.replace(meta, block_tables=meta.block_tables[:, :width])
+        return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    return paged_attention
+
+
+def keep_live_rows(real):
+    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
+        out = real(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        live = meta.context_lens > 1
+        out[live] = out[live] * 1.0  # boolean-mask indexing: its shape depends on the data
+        return out
+    return paged_attention
+
+
+@pytest.mark.parametrize("bug,message", [(width_from_item, "reads a tensor value on the host"),
+                                         (keep_live_rows, "boolean mask")])
+def test_host_reads_and_dynamic_shapes_are_refused_at_capture(loaded, monkeypatch, bug, message):
+    monkeypatch.setattr(minicb.model, "paged_attention", bug(minicb.model.paged_attention))
+    with pytest.raises(RuntimeError, match=message):
+        make_runner(loaded, block_size=4, num_blocks=100, max_num_seqs=4, max_model_len=60)
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])  # the two modes show different op names
+def test_no_host_reads_guard(inference_mode):
+    x, index = torch.arange(6.0), torch.tensor([1, 2])
+    with torch.inference_mode(inference_mode), NoHostReads():
+        (x * 2 + x[index].sum()).softmax(0)  # device work with fixed shapes: allowed
+        for forbidden in (lambda: x.max().item(), lambda: max(x), lambda: x.nonzero(), lambda: torch.tensor([1])):
+            with pytest.raises(RuntimeError, match="captured decode step"):
+                forbidden()
+
+
+@torch.inference_mode()
+def check_padded_rows_write_only_the_sink(runner, graphs):
+    kv, bs = runner.kv_cache, runner.config.block_size
+    for context_lens in ([9, 2, 17], [30, 1, 5, 8, 13, 21, 4, 6, 11]):  # buckets 4 and 16: 1 and 7 padded rows
+        out = decode_batch(context_lens, bs, runner.config.num_blocks, seed=len(context_lens))
+        kv.k.normal_()  # fresh noise everywhere, the sink included, so that every write shows
+        kv.v.normal_()
+        k0, v0 = kv.k.clone(), kv.v.clone()
+        graphs.run(out)
+        assert graphs.last_bucket > len(context_lens)
+        # (num_layers, num_slots, ...) -> the slots that changed in any layer, in K or V
+        diff = ((kv.k != k0) | (kv.v != v0)).flatten(1, 2).flatten(2)  # (num_layers, num_slots, kv_heads * head_dim)
+        changed = diff.any(-1).any(0).nonzero().flatten().tolist()
+        live = [row.block_table[row.start // bs] * bs + row.start % bs for row in out.scheduled]
+        assert changed == sorted(live + [kv.sink_slot]), "padding wrote outside the sink (or a live row did not write)"
+
+
+def test_padded_rows_write_only_the_sink(loaded):
+    runner, graphs = make_runner(loaded, block_size=4, num_blocks=100, max_num_seqs=16, max_model_len=60)
+    check_padded_rows_write_only_the_sink(runner, graphs)
+
+
+# ---------------------------------------------------------------------------------- parity
+# llama: plain GQA; qwen3: q/k norms and head_dim != hidden_size / num_heads (qwen2 adds nothing here)
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def arch_model(request, tmp_path_factory):
+    """(LoadedModel, transformers' greedy tokens for every prompt, each run alone)."""
+    path = save_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, seed=1)
+    hf = make_tiny_model(request.param, seed=1, dtype=torch.float64)
+    refs = []
+    with torch.no_grad():
+        for p, n in zip(PROMPTS, MAX_TOKENS):
+            out = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)
+            refs.append(out[0, len(p):].tolist())
+    return load_model(path, dtype=torch.float64), refs
+
+
+def generate(loaded, graph_batch_cap=None, **config):
+    llm = LLM.from_loaded(loaded, dtype="float64", max_num_seqs=16, **config)
+    if graph_batch_cap is not None and config["use_cuda_graph"]:  # fewer buckets than slots: bigger batches eager
+        llm.engine.runner.graph_runner = DecodeGraphRunner(llm.engine.runner, max_batch_size=graph_batch_cap)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert llm.engine.scheduler.block_manager.num_used_blocks == 0, "blocks leaked after the run"
+    return tokens, llm.engine
+
+
+def check_graph_buckets(engine, every_bucket=True):
+    """Graphs ran exactly for the decode-only steps that fit a bucket; every bucket, padded rows too."""
+    graphs = engine.runner.graph_runner
+    for s in engine.trace:
+        decode_only = s.rows and not any(r.is_prefill for r in s.rows)
+        expected = graphs.bucket_for(len(s.rows)) if decode_only else None
+        assert s.graph_bucket == expected, s
+    used = {s.graph_bucket for s in engine.trace}
+    if every_bucket:
+        assert used - {None} == set(graphs.buckets), f"buckets {graphs.buckets} not all hit: {used}"
+    else:  # e.g. prompts trickling in 8 tokens a step: the batch never gets big
+        assert {1, 2, 4} <= used
+    assert any(s.graph_bucket is not None and s.graph_bucket > len(s.rows) for s in engine.trace), "no padded row"
+    assert None in used  # prefill steps ran eagerly
+
+
+GRAPH_CONFIGS = {  # different block-table widths, with and without mixed prefill + decode steps
+    "bs16_cols16": dict(block_size=16, num_blocks=64),
+    "bs4_cols8_chunked": dict(block_size=4, num_blocks=100, max_model_len=32, max_num_batched_tokens=8),
+    "bs1_cols40": dict(block_size=1, num_blocks=600, max_model_len=40),
+    "bs4_cap4": dict(block_size=4, num_blocks=100, graph_batch_cap=4),
+}
+
+
+@pytest.mark.parametrize("name", list(GRAPH_CONFIGS))
+def test_graphs_match_eager_and_transformers(arch_model, name):
+    loaded, refs = arch_model
+    eager, eager_engine = generate(loaded, use_cuda_graph=False, **GRAPH_CONFIGS[name])
+    assert all(s.graph_bucket is None for s in eager_engine.trace)
+    tokens, engine = generate(loaded, use_cuda_graph=True, **GRAPH_CONFIGS[name])
+    assert tokens == eager == refs
+    check_graph_buckets(engine, every_bucket=name != "bs4_cols8_chunked")
+    if name == "bs4_cap4":
+        assert any(s.graph_bucket is None and s.num_prefills == 0 and len(s.rows) > 4 for s in engine.trace)
+    if name == "bs4_cols8_chunked":
+        assert any(s.num_prefills and s.num_decodes for s in engine.trace), "no mixed prefill + decode step"
+
+
+def test_use_cuda_graph_modes_on_cpu(loaded):
+    def graph_runner(mode):
+        llm = LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=20, max_num_seqs=2,
+                              use_cuda_graph=mode)
+        return llm.engine.runner.graph_runner
+
+    assert graph_runner(False) is None
+    assert graph_runner("auto") is None  # "auto": graphs on CUDA only, eager on CPU
+    assert graph_runner(True).emulated  # True on CPU: the emulation
