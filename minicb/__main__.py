@@ -64,14 +64,19 @@ def cmd_demo(args):
 def cmd_generate(args):
     from minicb import LLM, SamplingParams
 
-    llm = LLM(args.model)
+    # Validate before the model loads, so a bad value fails in a second, not after the load.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
+    llm = LLM(args.model)
     prompts = [llm.chat_prompt(p) if not args.raw else p for p in args.prompts]
     if len(prompts) == 1:  # stream one answer to the terminal as it is generated
+        shown = ""
         for out in llm.stream(prompts, params):
-            sys.stdout.write(llm.tokenizer.decode(out.new_token_ids, skip_special_tokens=True))
-            sys.stdout.flush()
+            # Print the growth of the decoded text, not token by token: a character may span tokens.
+            if out.text.startswith(shown) and (out.finished or not out.text.endswith("\ufffd")):
+                sys.stdout.write(out.text[len(shown):])
+                sys.stdout.flush()
+                shown = out.text
         print()
         return
     for q, out in zip(args.prompts, llm.generate(prompts, params)):
