@@ -119,8 +119,10 @@ class BlockManager:
     def num_blocks_needed(self, rid: str, num_tokens: int, computed_blocks: list[int] = ()) -> int:
         """Free blocks that `allocate(rid, num_tokens, computed_blocks)` would consume."""
         have = len(self.block_tables.get(rid, ())) + len(computed_blocks)
-        revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)  # cached but free
-        return max(0, self.blocks_for(num_tokens) - have) + revived
+        new = max(0, -(-num_tokens // self.block_size) - have)
+        if not computed_blocks:
+            return new
+        return new + sum(1 for b in computed_blocks if self.ref_counts[b] == 0)  # cached but free
 
     def can_allocate(self, rid: str, num_tokens: int, computed_blocks: list[int] = ()) -> bool:
         return self.num_blocks_needed(rid, num_tokens, computed_blocks) <= len(self.free_queue)
@@ -129,7 +131,7 @@ class BlockManager:
         """Grow `req`'s block table so it covers `num_tokens` token slots. `computed_blocks`
         (prefix-cache hits, only when the table is new) are shared instead of allocated."""
         rid = req.request_id
-        if not self.can_allocate(rid, num_tokens, computed_blocks):
+        if not self.can_allocate(rid, num_tokens, computed_blocks):  # refuse before changing anything
             raise RuntimeError(f"out of KV blocks for request {rid}: call can_allocate first")
         table = self.block_tables.get(rid)
         if table is None:

@@ -54,7 +54,8 @@ class EngineConfig:
         for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
             positive(name, allow_none=True)
         if self.num_cpu_blocks is not None and (
-            not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0
+            not isinstance(self.num_cpu_blocks, int) or isinstance(self.num_cpu_blocks, bool)
+            or self.num_cpu_blocks < 0
         ):
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
         for name, allowed in (
@@ -65,7 +66,7 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {allowed}")
-        if self.use_cuda_graph not in (True, False, "auto"):
+        if not (self.use_cuda_graph is True or self.use_cuda_graph is False or self.use_cuda_graph == "auto"):
             raise ValueError(f"use_cuda_graph must be True, False or 'auto', got {self.use_cuda_graph!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

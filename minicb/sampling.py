@@ -31,6 +31,8 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
             ids = tuple(self.stop_token_ids)
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

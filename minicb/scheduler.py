@@ -215,48 +215,55 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # 2. Swapped requests come back before anything new is admitted.
-        if not out_of_blocks:
-            while self.swapped and budget > 0 and len(self.running) < c.max_num_seqs:
-                req = self.swapped[0]
-                num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-                if num_new == 0 or not bm.can_swap_in(req.request_id, req.num_computed_tokens + num_new):
-                    break
-                self.swapped.pop(0)
-                out.blocks_to_swap_in += bm.swap_in(req)
-                bm.allocate(req, req.num_computed_tokens + num_new)
-                self._admit(req, out.step)
-                out.swapped_in.append(req.request_id)
-                row = self._row(req, num_new)
-                (prefills if row.is_prefill else decodes).append(row)
-                budget -= num_new
+        # 2. Swapped requests come back, unless a waiting request ranks before them.
+        key = self.policy_key
+        while (self.swapped and not out_of_blocks and budget > 0 and len(self.running) < c.max_num_seqs
+               and not (self.waiting and key(self.waiting[0]) < key(self.swapped[0]))):
+            req = self.swapped[0]
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            if num_new == 0 or not bm.can_swap_in(req.request_id, req.num_computed_tokens + num_new):
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in += bm.swap_in(req)
+            bm.allocate(req, req.num_computed_tokens + num_new)
+            self._admit(req, out.step)
+            out.swapped_in.append(req.request_id)
+            row = self._row(req, num_new)
+            (prefills if row.is_prefill else decodes).append(row)
+            budget -= num_new
 
-        # 3. Admit waiting requests by policy (static mode: only when the last batch is done).
+        # 3. Admit waiting requests in policy order. Static batching forms a new batch only when
+        # the previous one is done; until then only its own (preempted) members come back.
+        forming = True
         if c.batching == "static":
             self.static_batch &= self.requests.keys()
-            forming = not self.static_batch  # the previous batch is done: a new one forms now
-            may_admit = lambda r: forming or r.request_id in self.static_batch
-        else:
-            may_admit = lambda r: True
-        while (self.waiting and not out_of_blocks and not self.swapped
-               and len(self.running) < c.max_num_seqs and may_admit(self.waiting[0])):
-            req = self.waiting[0]
-            hits = bm.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            forming = not self.static_batch
+        while self.waiting and not out_of_blocks and len(self.running) < c.max_num_seqs:
+            if forming:
+                req = self.waiting[0]
+            else:
+                req = next((r for r in self.waiting if r.request_id in self.static_batch), None)
+                if req is None:
+                    break
+            if self.swapped and key(self.swapped[0]) < key(req):
+                break  # a swapped request ranks first: it waits for room, and so does everyone behind it
+            hits = bm.find_cached_prefix(req)
             computed = len(hits) * c.block_size
             num_new = self._num_new_tokens(req, computed, budget)
             if num_new == 0 and c.batching == "continuous":
                 break  # static batching admits the whole batch now and prefills in later steps
             if not bm.can_allocate(req.request_id, computed + num_new, hits):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             bm.allocate(req, computed + num_new, hits)
             req.num_computed_tokens = computed
             self._admit(req, out.step)
             out.admitted.append(req.request_id)
             if c.batching == "static":
                 self.static_batch.add(req.request_id)
-            if num_new:
-                prefills.append(self._row(req, num_new))
+            if num_new:  # a recomputed request whose prefix is all cached may need just a decode
+                row = self._row(req, num_new)
+                (prefills if row.is_prefill else decodes).append(row)
                 budget -= num_new
 
         out.scheduled = decodes + prefills
@@ -267,7 +274,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
         """Advance every scheduled request. `sampled_token_ids` holds one token for each row with
         `do_sample`, in row order. Returns the requests that received a token."""
-        bm, max_len = self.block_manager, self.config.max_model_len
+        bm = self.block_manager
         samples = iter(sampled_token_ids)
         touched = []
         for row in out.scheduled:
@@ -287,8 +294,7 @@ class Scheduler:
                 req.first_token_step = out.step
             if token in req.stop_token_ids:
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
-            elif req.num_output_tokens >= req.params.max_tokens or (
-                    max_len is not None and req.num_tokens >= max_len):
+            elif req.num_output_tokens >= req.params.max_tokens:  # add_request keeps this within max_model_len
                 self._finish(req, RequestStatus.FINISHED_LENGTH)
         return touched
 

@@ -82,8 +82,11 @@ def simulate(requests: list[SimRequest], config: EngineConfig | None = None, max
             raise ValueError(f"request {i}: prompt_token_ids has {len(tokens)} tokens, prompt_len is {sr.prompt_len}")
         rid = sr.request_id if sr.request_id is not None else str(i)
         params = SamplingParams(max_tokens=sr.output_len, temperature=0.0, ignore_eos=True)
-        pending.append((max(sr.arrival_step, 1), i, Request(rid, tokens, params, sr.priority, arrival_index=i)))
+        pending.append((max(sr.arrival_step, 1), i, rid, tokens, params, sr.priority))
+    # Arrival order (the FIFO key) is by arrival step, then by position in the list.
     pending.sort(key=lambda p: (p[0], p[1]))
+    pending = [(step, i, Request(rid, tokens, params, prio, arrival_index=rank))
+               for rank, (step, i, rid, tokens, params, prio) in enumerate(pending)]
     by_index = [p[2] for p in sorted(pending, key=lambda p: p[1])]
 
     step, nxt = 0, 0

@@ -1,0 +1,59 @@
+"""W3 (scheduler overhead) smoke test: tiny sizes, checks the shape of the results, not the speed."""
+
+import argparse
+import json
+import types
+
+import pytest
+
+from minicb import bench
+
+
+def test_w3_setup_has_everyone_decoding():
+    sched = bench.w3_scheduler(num_running=6, steps=4)
+    assert len(sched.running) == 6 and not sched.waiting and not sched.swapped
+    out = sched.schedule()
+    assert len(out.scheduled) == 6 and out.num_decodes == 6 and out.num_batched_tokens == 6
+
+
+def test_run_w3_smoke():
+    for kw in ({}, {"with_trace": True}, {"with_trace": True, "with_inputs": True}):
+        res = bench.run_w3(num_running=8, steps=5, **kw)
+        assert res["workload"] == "w3" and res["num_running"] == 8 and res["steps"] == 5
+        assert res["median_ms_per_step"] > 0
+        assert res["us_per_request"] == pytest.approx(res["median_ms_per_step"] * 1000 / 8)
+        assert res["with_trace"] == kw.get("with_trace", False)
+
+
+def test_w3_table_prints_one_row_per_size():
+    lines = []
+    rows = bench.w3_table(sizes=(4, 8), steps=3, print_fn=lines.append)
+    assert [r["num_running"] for r in rows] == [4, 4, 4, 8, 8, 8]
+    assert len(lines) == 2 + 2 and lines[2].split()[0] == "4" and lines[3].split()[0] == "8"
+
+
+def test_host_inputs_builds_the_flat_lists():
+    sched = bench.w3_scheduler(num_running=3, steps=2, block_size=16)
+    out = sched.schedule()
+    ids, pos, slots, ctx, qsl, tables = bench.host_inputs(out, 16)
+    assert len(ids) == len(pos) == len(slots) == 3 and qsl == [0, 1, 2, 3]
+    assert tables == [row.block_table for row in out.scheduled]
+    for row, p, slot, c in zip(out.scheduled, pos, slots, ctx):
+        assert p == row.start and c == row.start + 1
+        assert slot == row.block_table[p // 16] * 16 + p % 16
+
+
+def test_main_refuses_other_workloads():
+    with pytest.raises(ValueError, match="w3"):
+        bench.main(types.SimpleNamespace(workload="w1", json=None))
+
+
+def test_cli_options_and_json(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    path = tmp_path / "w3.json"
+    args = parser.parse_args(["--workload", "w3", "--sizes", "4", "--steps", "3", "--json", str(path)])
+    bench.main(args)
+    rows = json.loads(path.read_text())
+    assert [r["num_running"] for r in rows] == [4, 4, 4]
+    assert "W3 scheduler overhead" in capsys.readouterr().out
