@@ -105,10 +105,11 @@ def main(argv=None):
     p.set_defaults(func=cmd_generate)
 
     # These three own their options: each module has add_arguments(parser) and main(args).
-    for name, help_text in (("bench", "benchmark workloads w1 (CPU), w2 (GPU), w3 (scheduler overhead)"),
-                            ("serve", "OpenAI-compatible HTTP server with streaming"),
-                            ("figures", "regenerate every figure in figures/")):
-        module = importlib.import_module(f"minicb.{name}")
+    for name, module_name, help_text in (
+            ("bench", "bench", "benchmark workloads w1 (CPU), w2 (GPU), w3 (scheduler overhead)"),
+            ("serve", "server", "OpenAI-compatible HTTP server with streaming"),
+            ("figures", "figures", "regenerate every figure in figures/")):
+        module = importlib.import_module(f"minicb.{module_name}")
         p = sub.add_parser(name, help=help_text, description=module.__doc__)
         module.add_arguments(p)
         p.set_defaults(func=module.main)

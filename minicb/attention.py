@@ -67,7 +67,7 @@ class AttentionMetadata:
             for pos in range(ctx - qlen, ctx):  # absolute positions of the new tokens
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
             starts.append(starts[-1] + qlen)
-        width = max(len(t) for t in block_tables)
+        width = max((len(t) for t in block_tables), default=0)
         padded = [t + [pad_block_id] * (width - len(t)) for t in block_tables]
 
         def as_tensor(x):

@@ -1,4 +1,9 @@
-"""Benchmark workloads (see the project's bench-workloads page). For now: W3, scheduler overhead.
+"""Benchmark workloads (see the project's bench-workloads page) and `python -m minicb bench`.
+
+    --workload w1    mixed-length chat on the CPU, four systems side by side (minicb/bench_w1.py)
+    --workload w2    the nano-vllm / vLLM offline workload on a CUDA GPU (minicb/bench_gpu.py)
+    --workload w3    scheduler overhead, model-free (this file)
+    --workload all   w3, then w2 (skipped with the reason when there is no GPU), then w1
 
 W3 asks what the scheduler costs on the critical path between two model steps: with
 `num_running` requests all decoding, how much CPU time do `Scheduler.schedule()` and
@@ -125,19 +130,58 @@ def w3_table(sizes=W3_SIZES, steps: int = 200, print_fn=print) -> list[dict]:
 
 def add_arguments(parser) -> None:
     """Options of `python -m minicb bench`."""
-    parser.add_argument("--workload", choices=["w1", "w2", "w3"], default="w3",
-                        help="w3: scheduler overhead, model-free (w1, w2: not in this module yet)")
+    parser.add_argument("--workload", choices=["w1", "w2", "w3", "all"], default="w3",
+                        help="w1: CPU chat side by side; w2: GPU offline (needs CUDA); w3: scheduler overhead")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(W3_SIZES),
                         help="W3: numbers of running requests (default: 64 128 256 512)")
     parser.add_argument("--steps", type=int, default=200, help="W3: timed steps per size")
+    parser.add_argument("--competitors", nargs="+", default=None,
+                        help="W1: a subset of hf_static hf_continuous minicb_static minicb_continuous")
+    parser.add_argument("--model", default=None, help="W2: model dir or hub id (default Qwen3-0.6B from the HF cache)")
+    parser.add_argument("--figures-dir", default="figures", help="W1: where the comparison figure goes")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
+
+
+def _w2(args) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("W2 skipped: it needs a CUDA GPU and torch.cuda.is_available() is False on this machine")
+        return {"skipped": "no CUDA GPU"}
+    from .bench_gpu import run_w2
+
+    rows = [run_w2(args.model, use_cuda_graph=graphs) for graphs in (False, True)]
+    for r in rows:
+        print(r)
+    print(f"CUDA graphs speed-up on W2: {rows[1]['output_tokens_per_s'] / rows[0]['output_tokens_per_s']:.2f}x")
+    return {"w2": rows}
+
+
+def _w1(args) -> dict:
+    from pathlib import Path
+
+    from .bench_w1 import COMPETITORS, print_w1, run_w1, w1_figure
+
+    report = run_w1(competitors=args.competitors or COMPETITORS)
+    for r in report["results"]:
+        r.pop("trace", None)
+    print_w1(report)
+    Path(args.figures_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(args.figures_dir) / "bench_w1.png"
+    w1_figure(report).savefig(path, dpi=110, bbox_inches="tight")
+    print(f"wrote {path}")
+    return {"w1": report}
 
 
 def main(args) -> None:
     """Entry point of `python -m minicb bench`."""
-    if args.workload != "w3":
-        raise ValueError(f"workload {args.workload!r} is not implemented in minicb.bench yet; use w3")
-    rows = w3_table(sizes=getattr(args, "sizes", W3_SIZES), steps=getattr(args, "steps", 200))
+    results = {}
+    if args.workload in ("w3", "all"):
+        results["w3"] = w3_table(sizes=args.sizes, steps=args.steps)
+    if args.workload in ("w2", "all"):
+        results |= _w2(args)
+    if args.workload in ("w1", "all"):
+        results |= _w1(args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump(results, f, indent=2, default=str)

@@ -168,6 +168,9 @@ class BlockManager:
     def swap_out(self, rid: str) -> list[tuple[int, int]]:
         """Move a request's blocks to CPU. Returns (device block, cpu block) copies, which the
         runner must perform before this step's forward pass reuses the device blocks."""
+        if not self.can_swap_out(rid):  # refuse before changing anything
+            raise ValueError(f"request {rid} needs {len(self.block_tables.get(rid, ()))} CPU blocks to swap out, "
+                             f"only {len(self.cpu_free)} are free: call can_swap_out first")
         table = self.block_tables.pop(rid)
         self.num_hashed.pop(rid, None)
         cpu_table = [self.cpu_free.pop() for _ in table]

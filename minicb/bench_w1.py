@@ -1,0 +1,294 @@
+"""Workload W1 (shared/bench-workloads.md): mixed-length chat on the CPU, four systems side by side.
+
+64 chat requests arrive at once; their output lengths are log-normal (mean ~61, longest 256)
+and EOS is ignored so every system produces exactly the same number of tokens. The competitors
+run one after another in the same process on the same prompts:
+  1. transformers `generate` in static batches of 16 (left padding; a batch runs to its longest member)
+  2. transformers' own continuous batching (`init_continuous_batching`, per-request max_new_tokens)
+  3. minicb, batching="static"        4. minicb, batching="continuous" (the default configuration)
+Throughput is output tokens / wall time from first submission to last completion. The roofline
+compares what was achieved with the machine's measured float32 GEMM speed, for 2 x params FLOPs
+per generated token.
+"""
+
+import os
+import random
+import statistics
+import threading
+import time
+
+from tqdm.auto import tqdm
+
+from .metrics import percentile
+from .sampling import SamplingParams
+
+# ---------------------------------------------------------------------------------------------- W1
+W1_TOPICS = ["the sea", "gravity", "bread", "Rome", "a cat", "rain", "chess", "music", "trains", "the moon",
+             "coffee", "volcanoes"]
+
+
+def w1_workload(tokenizer, num_requests: int = 64) -> tuple[list[list[int]], list[int]]:
+    """The W1 prompts (chat-templated token ids) and output lengths, exactly as bench-workloads.md
+    builds them: one random.Random(0), topic, then repeats, then a log-normal output length."""
+    rng = random.Random(0)
+    prompts, outs = [], []
+    for _ in range(num_requests):
+        topic = rng.choice(W1_TOPICS)
+        q = f"Tell me about {topic}." + " Please be detailed." * rng.randint(0, 6)
+        outs.append(min(256, max(4, int(rng.lognormvariate(3.5, 0.9)))))
+        prompts.append(list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                          tokenize=True, return_dict=False)))
+    return prompts, outs
+
+
+class PeakRSS:
+    """Peak resident memory above the starting point while the block runs (sampled every 20 ms)."""
+
+    def __enter__(self):
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self):
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+        self.mib = (self.peak - self.base) / 2**20
+
+
+def _result(name, wall, outs, ttfts, tpots, peak_mib, **extra) -> dict:
+    ntok = sum(outs)
+    return dict(name=name, output_tokens=ntok, wall_s=wall, throughput=ntok / wall,
+                ttft_p50=percentile(ttfts, 50), ttft_p99=percentile(ttfts, 99),
+                tpot_p50=percentile(tpots, 50), tpot_p99=percentile(tpots, 99), peak_mem_mib=peak_mib, **extra)
+
+
+def run_hf_static(model, prompts, outs, pad_id: int, batch_size: int = 16) -> dict:
+    """transformers generate in static batches with left padding: each batch runs to its longest member."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StepClock(StoppingCriteria):  # called once per generated token of the batch: a timestamp per step
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    ttfts, tpots = [], []
+    bar = tqdm(total=len(prompts), desc="transformers static generate", unit="req")
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            ps, ns = prompts[i:i + batch_size], outs[i:i + batch_size]
+            width = max(len(p) for p in ps)
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in ps])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+            clock = StepClock()
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns),
+                               do_sample=False, pad_token_id=pad_id, eos_token_id=None,
+                               stopping_criteria=StoppingCriteriaList([clock]))
+            for n in ns:  # request i's tokens exist at steps 1..n of its batch
+                ttfts.append(clock.times[0] - t0)
+                if n > 1:
+                    tpots.append((clock.times[n - 1] - clock.times[0]) / (n - 1))
+            bar.update(len(ps))
+        wall = time.perf_counter() - t0
+    bar.close()
+    return _result(f"transformers generate (static, batch {batch_size})", wall, outs, ttfts, tpots, mem.mib)
+
+
+def run_hf_continuous(model, prompts, outs) -> dict:
+    """transformers' own continuous batching (init_continuous_batching), per-request max_new_tokens."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(outs), eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    results = {}
+    bar = tqdm(total=len(prompts), desc="transformers continuous batching", unit="req")
+    try:
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1, record_timestamps=True)
+                   for p, n in zip(prompts, outs)]
+            while len(results) < len(ids):
+                r = manager.get_result(timeout=600)
+                if r is None:
+                    raise RuntimeError("transformers continuous batching stopped without finishing")
+                if r.is_finished():
+                    results[r.request_id] = r
+                    bar.update(1)
+            wall = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True)
+        bar.close()
+    ttfts, tpots = [], []
+    for rid, n in zip(ids, outs):
+        r = results[rid]
+        if len(r.generated_tokens) != n:
+            raise RuntimeError(f"transformers CB produced {len(r.generated_tokens)} tokens for a {n}-token request")
+        ts = r.timestamps or []
+        if ts:
+            ttfts.append(ts[0] - t0)
+            if n > 1:
+                tpots.append((ts[-1] - ts[0]) / (n - 1))
+    return _result("transformers continuous batching", wall, outs, ttfts, tpots, mem.mib)
+
+
+def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
+    from .engine import LLM
+    from .metrics import tpot
+
+    llm = LLM.from_loaded(loaded, batching=batching, **config)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+    assert [len(o.token_ids) for o in res] == outs
+    ttfts = [o.metrics.first_token_time - t0 for o in res]
+    tpots = [t for o in res if (t := tpot(o.metrics, len(o.token_ids))) is not None]
+    trace = llm.engine.trace
+    slots = llm.engine.config.max_num_seqs
+    return _result(f"minicb {batching} ({slots} slots)", wall, outs, ttfts, tpots, mem.mib,
+                   slot_utilization=trace.slot_utilization(), steps=len(trace), trace=trace)
+
+
+def gemm_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
+    """The machine's float32 matmul speed: the best of a few large square GEMMs."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def decode_step_roofline(loaded, batch: int = 64, context: int = 100, steps: int = 10) -> dict:
+    """Time one decode step at `batch` (contexts of `context` tokens): achieved FLOP/s for 2 x params
+    per token, the model's arithmetic for one generated token."""
+    from .engine import LLM
+
+    llm = LLM.from_loaded(loaded, max_num_seqs=batch, max_num_batched_tokens=max(256, batch))
+    eng = llm.engine
+    ids = [eng.add_request([(7 * i + j) % 1000 + 10 for j in range(context)],
+                           SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)) for i in range(batch)]
+    while not eng.trace.steps or eng.trace[-1].num_prefills:
+        eng.step()  # prefill everyone (the early ones start decoding meanwhile)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+        assert eng.trace[-1].num_decodes == batch
+    for rid in ids:
+        eng.abort_request(rid)
+    step = statistics.median(times)
+    flops = 2 * loaded.num_params * batch
+    return dict(batch=batch, context=context, step_ms=1000 * step, gflops=flops / step / 1e9)
+
+
+COMPETITORS = ("hf_static", "hf_continuous", "minicb_static", "minicb_continuous")
+
+
+def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 16, **minicb_config) -> dict:
+    """Run W1 for the chosen competitors in this process; returns every figure the table prints."""
+    import torch
+
+    from .loader import DEFAULT_MODEL, cache_dir, load_model
+
+    torch.set_num_threads(os.cpu_count())
+    loaded = load_model(None)
+    prompts, outs = w1_workload(loaded.tokenizer, num_requests)
+    results = []
+    if any(c.startswith("hf_") for c in competitors):
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(cache_dir() / DEFAULT_MODEL, dtype=torch.float32).eval()
+        pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+        if "hf_static" in competitors:
+            results.append(run_hf_static(hf, prompts, outs, pad, batch_size=static_slots))
+        if "hf_continuous" in competitors:
+            results.append(run_hf_continuous(hf, prompts, outs))
+        del hf
+    if "minicb_static" in competitors:
+        results.append(run_minicb(loaded, prompts, outs, "static", max_num_seqs=static_slots, **minicb_config))
+    if "minicb_continuous" in competitors:
+        results.append(run_minicb(loaded, prompts, outs, "continuous", **minicb_config))
+    peak = gemm_peak_gflops()
+    flops_per_token = 2 * loaded.num_params
+    for r in results:
+        r["achieved_gflops"] = r["throughput"] * flops_per_token / 1e9
+        r["roofline_fraction"] = r["achieved_gflops"] / peak
+    return dict(machine=f"{os.cpu_count()} CPU cores, torch {torch.__version__}, float32",
+                num_requests=num_requests, output_tokens=sum(outs), prompt_tokens=sum(map(len, prompts)),
+                gemm_peak_gflops=peak, flops_per_token=flops_per_token, results=results,
+                decode_step=decode_step_roofline(loaded, batch=64) | {"gemm_peak_gflops": peak})
+
+
+def print_w1(report: dict, print_fn=print) -> None:
+    ms = lambda x: f"{1000 * x:7.0f}"
+    print_fn(f"\nW1 on {report['machine']}: {report['num_requests']} requests, {report['prompt_tokens']} prompt "
+             f"and {report['output_tokens']} output tokens")
+    print_fn(f"{'system':<42}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>9}{'p99':>8}{'TPOT p50':>9}{'p99':>8}"
+             f"{'mem MiB':>8}{'slots':>7}")
+    for r in report["results"]:
+        util = f"{r['slot_utilization']:.0%}" if "slot_utilization" in r else "-"
+        print_fn(f"{r['name']:<42}{r['throughput']:8.1f}{r['wall_s']:8.1f}{ms(r['ttft_p50'])}ms{ms(r['ttft_p99'])}"
+                 f"{ms(r['tpot_p50'])}ms{ms(r['tpot_p99'])}{r['peak_mem_mib']:8.0f}{util:>7}")
+    best = report["results"][-1]
+    for r in report["results"][:-1]:
+        print_fn(f"  {best['name']} / {r['name']}: {best['throughput'] / r['throughput']:.1f}x")
+    print_fn(f"roofline: GEMM peak {report['gemm_peak_gflops']:.0f} GFLOP/s, {report['flops_per_token'] / 1e6:.0f} "
+             f"MFLOP per token (2 x params)")
+    for r in report["results"]:
+        print_fn(f"  {r['name']:<42} {r['achieved_gflops']:6.1f} GFLOP/s = {r['roofline_fraction']:.0%} of peak")
+    d = report["decode_step"]
+    print_fn(f"  decode step at batch {d['batch']} (context {d['context']}): {d['step_ms']:.0f} ms, "
+             f"{d['gflops']:.0f} GFLOP/s = {d['gflops'] / d['gemm_peak_gflops']:.0%} of the GEMM peak")
+
+
+def w1_figure(report: dict):
+    """Throughput and latency of the W1 competitors, side by side."""
+    import matplotlib.pyplot as plt
+
+    rs = report["results"]
+    names = [r["name"].replace(" (", "\n(") for r in rs]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    colors = ["#9e9e9e", "#616161", "#64b5f6", "#1565c0"][-len(rs):]
+    axes[0].barh(names, [r["throughput"] for r in rs], color=colors)
+    axes[0].set_xlabel("output tokens / s (higher is better)")
+    for i, r in enumerate(rs):
+        axes[0].text(r["throughput"], i, f" {r['throughput']:.0f}", va="center", fontsize=9)
+    for ax, key, label in ((axes[1], "ttft", "TTFT (s)"), (axes[2], "tpot", "TPOT (ms)")):
+        scale = 1000 if key == "tpot" else 1
+        p50 = [scale * r[f"{key}_p50"] for r in rs]
+        p99 = [scale * r[f"{key}_p99"] for r in rs]
+        y = range(len(rs))
+        ax.barh([i + 0.2 for i in y], p50, height=0.4, color=colors, label="p50")
+        ax.barh([i - 0.2 for i in y], p99, height=0.4, color=colors, alpha=0.45, label="p99")
+        ax.set_yticks(list(y), [] if ax is not axes[0] else names)
+        ax.set_xlabel(f"{label}, p50 (solid) and p99 (light); lower is better")
+    axes[1].set_yticks(list(range(len(rs))), names)
+    axes[2].set_yticks(list(range(len(rs))), [])
+    fig.suptitle(f"W1: {report['num_requests']} mixed-length chat requests, SmolLM2-135M, {report['machine']}")
+    fig.tight_layout()
+    return fig
