@@ -95,8 +95,8 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None):
     """One query per sequence against its cached context.
 
-    q: (B, num_heads, head_dim); block_tables: (B, max_blocks); context_lens: (B,).
-    Returns (B, num_heads, head_dim). Graph-safe: every shape comes from tensor shapes,
+    q: (B, num_heads, head_dim); block_tables: (B, max_blocks); context_lens: (B,), each >= 1
+    (a padded row uses 1 and a table of sink ids). Returns (B, num_heads, head_dim). Graph-safe: every shape comes from tensor shapes,
     never from tensor values (no .item(), no boolean indexing).
     """
     batch, num_heads, head_dim = q.shape

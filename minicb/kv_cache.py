@@ -61,6 +61,8 @@ class KVCache:
         # index_select over dim 1 instead of a loop over layers.
         # (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)
         block_shape = (block_size, self.num_kv_heads, self.head_dim)
+        # zeros, not empty: padded rows read the sink, and although their attention weights on it
+        # are masked to 0, 0 * NaN from uninitialised memory would still be NaN.
         self.k = torch.zeros((self.num_layers, num_blocks + 1, *block_shape), dtype=dtype, device=self.device)
         self.v = torch.zeros_like(self.k)
         self.k_caches = list(self.k.unbind(0))  # views, one per layer

@@ -6,7 +6,13 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from minicb.attention import AttentionMetadata, decode_attention, paged_attention, prefill_attention, store_kv
+from minicb.attention import (
+    AttentionMetadata,
+    decode_attention,
+    paged_attention,
+    prefill_attention,
+    store_kv,
+)
 from minicb.kv_cache import KVCache, kv_bytes_per_token
 
 DT = torch.float64

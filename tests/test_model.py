@@ -8,8 +8,16 @@ import random
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from minicb.attention import AttentionMetadata
 from minicb.kv_cache import KVCache
@@ -17,26 +25,26 @@ from minicb.model import CausalLM, rope_tables
 
 DT = torch.float64
 ATOL = 1e-10
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 256}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
 
 VARIANTS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "llama-mha-tied": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, tie_word_embeddings=True)),
-    "llama-bias": (LlamaConfig, LlamaForCausalLM, dict(attention_bias=True, mlp_bias=True)),
-    "llama3-rope": (LlamaConfig, LlamaForCausalLM, dict(rope_scaling=LLAMA3_ROPE, rope_theta=500.0)),
-    "llama-linear-rope": (LlamaConfig, LlamaForCausalLM, dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama-mha-tied": (LlamaConfig, LlamaForCausalLM, {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "llama-bias": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True, "mlp_bias": True}),
+    "llama3-rope": (LlamaConfig, LlamaForCausalLM, {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500.0}),
+    "llama-linear-rope": (LlamaConfig, LlamaForCausalLM, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "llama-yarn-rope": (LlamaConfig, LlamaForCausalLM,
-                        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                           "original_max_position_embeddings": 64})),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+                        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                          "original_max_position_embeddings": 64}}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     "qwen2-sliding": (Qwen2Config, Qwen2ForCausalLM,  # layer 0 full attention, layer 1 a window of 5
-                      dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32, attention_bias=True)),
-    "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
-    "mistral-sliding": (MistralConfig, MistralForCausalLM, dict(sliding_window=6)),
+                      {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32, "attention_bias": True}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "mistral-sliding": (MistralConfig, MistralForCausalLM, {"sliding_window": 6}),
 }
 
 _MODELS = {}
@@ -143,7 +151,7 @@ def test_mixed_batch_matches_each_sequence_alone(variant):
 
 
 def test_rope_scaling_is_applied_and_tied_weights_are_shared():
-    cfg, _, model = tiny("llama3-rope")
+    _cfg, _, model = tiny("llama3-rope")
     default_cos, _ = rope_tables(LlamaConfig(**SMALL, rope_theta=500.0), 16)
     assert not torch.allclose(model.rope_cos, default_cos.to(DT))  # llama3 scaling changed the frequencies
     _, _, tied = tiny("llama-mha-tied")
@@ -151,7 +159,7 @@ def test_rope_scaling_is_applied_and_tied_weights_are_shared():
 
 
 def test_tied_model_loads_without_lm_head_and_untied_one_needs_it():
-    cfg, hf, model = tiny("llama-mha-tied")
+    cfg, hf, _model = tiny("llama-mha-tied")
     state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     reloaded = CausalLM.from_hf(cfg, state, DT, "cpu")
     assert torch.equal(reloaded.lm_head.weight, hf.lm_head.weight)
@@ -162,7 +170,7 @@ def test_tied_model_loads_without_lm_head_and_untied_one_needs_it():
 
 
 def test_fused_projections_hold_the_hf_weights():
-    cfg, hf, model = tiny("qwen2")
+    _cfg, hf, model = tiny("qwen2")
     attn, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
     qkv = model.layers[1].self_attn.qkv_proj
     assert torch.equal(qkv.weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
@@ -186,7 +194,7 @@ def test_errors_a_user_can_act_on():
 
 
 def test_float32_model_stays_close_to_float64():
-    cfg, hf, model64 = tiny("llama")
+    cfg, hf, _model64 = tiny("llama")
     model32 = CausalLM.from_hf(cfg, hf.state_dict(), torch.float32, "cpu")
     assert model32.embed_tokens.weight.dtype == torch.float32 and model32.rope_cos.dtype == torch.float32
     tokens = list(range(10, 30))
