@@ -38,6 +38,7 @@ class EngineConfig:
 
     # --- execution ---
     use_cuda_graph: bool | str = "auto"  # decode through graphs: True, False, or "auto" (CUDA only)
+    prepack_cpu_weights: bool = True  # float32 on CPU: pack Linear weights for oneDNN once (2-3x faster)
     seed: int = 0  # generator for sampled requests that carry no seed of their own
     record_trace: bool = True  # keep one StepRecord per step (notebooks); servers may turn it off
 

@@ -15,7 +15,7 @@ import torch
 from .config import EngineConfig
 from .kv_cache import KVCache, kv_bytes_per_token
 from .loader import LoadedModel, load_model
-from .model import CausalLM
+from .model import CausalLM, prepack_for_cpu
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
@@ -48,6 +48,8 @@ class Engine:
         self.vocab_size = loaded.vocab_size
         self.model_name = loaded.name
         model = CausalLM.from_hf(loaded.hf_config, loaded.state_dict, dtype, config.device)
+        if config.prepack_cpu_weights and dtype == torch.float32 and torch.device(config.device).type == "cpu":
+            model = prepack_for_cpu(model)
         num_cpu = config.num_blocks if config.num_cpu_blocks is None else config.num_cpu_blocks
         self.kv_cache = KVCache(loaded.hf_config, config.num_blocks, config.block_size, dtype, config.device,
                                 num_cpu if config.preemption_mode == "swap" else 0)

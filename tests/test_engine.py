@@ -118,3 +118,16 @@ def test_generate_is_all_or_nothing(llm):
         llm.generate([[1, 2, 3], [], [4]], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_prepacked_cpu_weights_change_nothing_but_rounding(tmp_path):
+    loaded32 = load_model(save_tiny_model(tmp_path / "m", arch="qwen2", seed=5), dtype=torch.float32)
+    prompts = [[3, 4, 5, 6], [9] * 17, [2]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for packed in (False, True):
+        llm = LLM.from_loaded(loaded32, block_size=4, num_blocks=64, prepack_cpu_weights=packed)
+        layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+        assert type(layer).__name__ == ("MkldnnLinear" if packed else "Linear")
+        runs[packed] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs[True] == runs[False]
