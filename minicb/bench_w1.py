@@ -267,28 +267,23 @@ def print_w1(report: dict, print_fn=print) -> None:
 
 
 def w1_figure(report: dict):
-    """Throughput and latency of the W1 competitors, side by side."""
+    """Throughput and latency of the W1 competitors, side by side (one shared row per system)."""
     import matplotlib.pyplot as plt
 
     rs = report["results"]
     names = [r["name"].replace(" (", "\n(") for r in rs]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    y = list(range(len(rs)))
     colors = ["#9e9e9e", "#616161", "#64b5f6", "#1565c0"][-len(rs):]
-    axes[0].barh(names, [r["throughput"] for r in rs], color=colors)
-    axes[0].set_xlabel("output tokens / s (higher is better)")
+    fig, axes = plt.subplots(1, 3, figsize=(14, 0.9 * len(rs) + 1.8), sharey=True)
+    axes[0].barh(y, [r["throughput"] for r in rs], color=colors)
     for i, r in enumerate(rs):
         axes[0].text(r["throughput"], i, f" {r['throughput']:.0f}", va="center", fontsize=9)
-    for ax, key, label in ((axes[1], "ttft", "TTFT (s)"), (axes[2], "tpot", "TPOT (ms)")):
-        scale = 1000 if key == "tpot" else 1
-        p50 = [scale * r[f"{key}_p50"] for r in rs]
-        p99 = [scale * r[f"{key}_p99"] for r in rs]
-        y = range(len(rs))
-        ax.barh([i + 0.2 for i in y], p50, height=0.4, color=colors, label="p50")
-        ax.barh([i - 0.2 for i in y], p99, height=0.4, color=colors, alpha=0.45, label="p99")
-        ax.set_yticks(list(y), [] if ax is not axes[0] else names)
-        ax.set_xlabel(f"{label}, p50 (solid) and p99 (light); lower is better")
-    axes[1].set_yticks(list(range(len(rs))), names)
-    axes[2].set_yticks(list(range(len(rs))), [])
+    axes[0].set_xlabel("output tokens / s (higher is better)")
+    axes[0].set_yticks(y, names)
+    for ax, key, label, scale in ((axes[1], "ttft", "TTFT (s)", 1), (axes[2], "tpot", "TPOT (ms)", 1000)):
+        ax.barh([i + 0.2 for i in y], [scale * r[f"{key}_p50"] for r in rs], height=0.4, color=colors)
+        ax.barh([i - 0.2 for i in y], [scale * r[f"{key}_p99"] for r in rs], height=0.4, color=colors, alpha=0.45)
+        ax.set_xlabel(f"{label}: p50 dark, p99 light (lower is better)")
     fig.suptitle(f"W1: {report['num_requests']} mixed-length chat requests, SmolLM2-135M, {report['machine']}")
     fig.tight_layout()
     return fig
