@@ -219,7 +219,9 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            # Aborted requests also come back from step() without a token; _abort has
+            # already delivered and counted those.
+            outputs = [o for o in self.engine.step() if o.new_token_ids]
         except Exception as e:  # a bug or out of memory: fail the requests in flight, keep serving
             log.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
             self._fail_all(e)

@@ -6,7 +6,8 @@ never reads a file or touches a device (the engine resolves model-dependent valu
 `num_blocks` from a memory budget and passes a completed copy to the scheduler).
 """
 
-from dataclasses import dataclass, replace
+import dataclasses
+from dataclasses import dataclass
 
 BATCHING_MODES = ("continuous", "static")
 POLICIES = ("fifo", "sjf", "priority")
@@ -79,6 +80,13 @@ class EngineConfig:
             return None
         return -(-self.max_model_len // self.block_size)
 
+    @property
+    def num_swap_blocks(self) -> int:
+        """CPU blocks set aside for swapping: none unless preemption_mode is "swap"."""
+        if self.preemption_mode != "swap":
+            return 0
+        return self.num_blocks if self.num_cpu_blocks is None else self.num_cpu_blocks
+
     def replace(self, **changes) -> "EngineConfig":
         """A validated copy with some fields changed (the config itself is frozen)."""
-        return replace(self, **changes)
+        return dataclasses.replace(self, **changes)

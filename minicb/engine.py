@@ -50,9 +50,8 @@ class Engine:
         model = CausalLM.from_hf(loaded.hf_config, loaded.state_dict, dtype, config.device)
         if config.prepack_cpu_weights and dtype == torch.float32 and torch.device(config.device).type == "cpu":
             model = prepack_for_cpu(model)
-        num_cpu = config.num_blocks if config.num_cpu_blocks is None else config.num_cpu_blocks
         self.kv_cache = KVCache(loaded.hf_config, config.num_blocks, config.block_size, dtype, config.device,
-                                num_cpu if config.preemption_mode == "swap" else 0)
+                                config.num_swap_blocks)
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, self.kv_cache, config, config.device)
         use_graph = config.use_cuda_graph is True or (
@@ -107,7 +106,8 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration. Returns a RequestOutput for every request that got a token."""
+        """Run one iteration. Returns a RequestOutput for every request that got a token, and for
+        every request that finished without one since the last step (aborted)."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         for rid in out.admitted:
@@ -125,6 +125,8 @@ class Engine:
                 req.metrics.finish_time = now
             outputs.append(self._output(req, [req.token_ids[-1]]))
         finished = self.scheduler.take_finished()
+        got_token = {req.request_id for req in touched}
+        outputs += [self._output(req, []) for req in finished if req.request_id not in got_token]
         if self.config.record_trace:
             self.trace.record(self.scheduler, out, finished, self.runner.last_graph_bucket, now - t0)
         return outputs
@@ -171,7 +173,9 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         else:
             params = [params or SamplingParams()] * len(prompts)
-        priorities = priorities or [0] * len(prompts)
+        priorities = [0] * len(prompts) if priorities is None else list(priorities)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids = []
         try:
             for prompt, p, prio in zip(prompts, params, priorities):

@@ -38,7 +38,7 @@ class ModelRunner:
         sample_rows, num_decodes = [], 0
         for i, row in enumerate(out.scheduled):
             start, n = row.start, row.num_tokens
-            input_ids += row.request.token_ids[start:start + n]
+            input_ids += row.token_ids
             positions += range(start, start + n)
             context_lens.append(start + n)
             query_lens.append(n)

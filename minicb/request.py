@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"  # holds a slot and KV blocks on the device
     SWAPPED = "swapped"  # preempted by swap: its KV blocks sit in CPU memory
     FINISHED_STOPPED = "stop"  # produced EOS or a stop token
-    FINISHED_LENGTH = "length"  # reached max_tokens or max_model_len
+    FINISHED_LENGTH = "length"  # reached max_tokens (add_request keeps prompt + max_tokens <= max_model_len)
     FINISHED_ABORTED = "abort"  # aborted by the user (or a disconnected client)
 
     @property

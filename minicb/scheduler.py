@@ -67,9 +67,7 @@ class Scheduler:
         if config.num_blocks is None:
             raise ValueError("the scheduler needs config.num_blocks (the engine derives it from memory)")
         self.config = config
-        num_cpu = config.num_blocks if config.num_cpu_blocks is None else config.num_cpu_blocks
-        self.block_manager = BlockManager(config.num_blocks, config.block_size,
-                                          num_cpu if config.preemption_mode == "swap" else 0,
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.num_swap_blocks,
                                           config.enable_prefix_caching)
         self.waiting: list[Request] = []  # kept sorted by policy key
         self.running: list[Request] = []  # in admission order
@@ -122,11 +120,9 @@ class Scheduler:
         return bool(self.requests)
 
     # ------------------------------------------------------------------ slots and preemption
-    def _admit(self, req: Request, step: int) -> None:
+    def _admit(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         req.slot = heapq.heappop(self.free_slots)
-        if req.admitted_step is None:
-            req.admitted_step = step
         self.running.append(req)
 
     def _release_slot(self, req: Request) -> None:
@@ -151,16 +147,22 @@ class Scheduler:
             bisect.insort(self.waiting, req, key=self.policy_key)
             out.preempted.append(req.request_id)
 
+    def _lowest_ranked_running(self) -> Request:
+        """The running request the policy would serve last; among equals, the latest admitted."""
+        return max(reversed(self.running), key=self.policy_key)
+
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """A waiting request that outranks a running one and cannot get in takes its place."""
+        """A waiting request that outranks a running one and cannot get in takes its place.
+        Runs before anything is scheduled (continuous batching only: a static batch is never
+        broken up), with the same admission test that step 3 will apply to it."""
         while self.waiting and self.running:
             best = self.waiting[0]
-            victim = max(self.running, key=self.policy_key)
+            victim = self._lowest_ranked_running()
             if best.priority <= victim.priority:
                 return
-            first_chunk = min(best.num_tokens, self.config.max_num_batched_tokens)
+            hits, computed, num_new = self._admission(best, self.config.max_num_batched_tokens)
             fits = len(self.running) < self.config.max_num_seqs and \
-                self.block_manager.can_allocate(best.request_id, first_chunk)
+                self.block_manager.can_allocate(best.request_id, computed + num_new, hits)
             if fits:
                 return
             self._preempt(victim, out)
@@ -172,6 +174,12 @@ class Scheduler:
         if remaining > budget and not self.config.enable_chunked_prefill and req.num_output_tokens == 0:
             return 0  # without chunked prefill a prompt runs whole (a recompute may still be split)
         return min(remaining, budget)
+
+    def _admission(self, req: Request, budget: int) -> tuple[list[int], int, int]:
+        """(prefix-cache hits, tokens they cover, tokens to compute now) for a waiting request."""
+        hits = self.block_manager.find_cached_prefix(req)
+        computed = len(hits) * self.config.block_size
+        return hits, computed, self._num_new_tokens(req, computed, budget)
 
     def _row(self, req: Request, num_tokens: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -190,35 +198,45 @@ class Scheduler:
         if c.policy == "priority" and c.batching == "continuous":
             self._preempt_for_priority(out)
 
-        # 1. Running requests, best first; victims are taken from the back of the same order.
-        queue = sorted(self.running, key=self.policy_key)
-        queue = [r for r in queue if r.num_tokens - r.num_computed_tokens == 1] + \
-                [r for r in queue if r.num_tokens - r.num_computed_tokens > 1]
+        # 1. Running requests: decodes first, then prompts part-way through, each in policy order.
+        # When a request needs a block and none is free, the running request the policy ranks
+        # last is preempted (if it already got a row this step, the row is taken back).
+        ranked = sorted(self.running, key=self.policy_key)
+        rows: dict[str, ScheduledRequest] = {}
         out_of_blocks = False
-        i = 0
-        while i < len(queue) and budget > 0:
-            req = queue[i]
+        for req in [r for r in ranked if r.num_tokens - r.num_computed_tokens == 1] + \
+                   [r for r in ranked if r.num_tokens - r.num_computed_tokens > 1]:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
             if num_new == 0:
-                i += 1
                 continue
             while not bm.can_allocate(req.request_id, req.num_computed_tokens + num_new):
                 out_of_blocks = True
-                victim = queue.pop()  # the request this policy would serve last
+                victim = self._lowest_ranked_running()
+                taken_back = rows.pop(victim.request_id, None)
+                if taken_back is not None:
+                    budget += taken_back.num_tokens
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
                 bm.allocate(req, req.num_computed_tokens + num_new)
-                row = self._row(req, num_new)
-                (prefills if row.is_prefill else decodes).append(row)
+                rows[req.request_id] = self._row(req, num_new)
+                if req.admitted_step is None:  # a static-batch member getting its first tokens
+                    req.admitted_step = out.step
+                    out.admitted.append(req.request_id)
                 budget -= num_new
-                i += 1
+        for row in rows.values():
+            (prefills if row.is_prefill else decodes).append(row)
 
         # 2. Swapped requests come back, unless a waiting request ranks before them.
         key = self.policy_key
+        # (A static batch's swapped members always come back first: nobody else may join it.)
         while (self.swapped and not out_of_blocks and budget > 0 and len(self.running) < c.max_num_seqs
-               and not (self.waiting and key(self.waiting[0]) < key(self.swapped[0]))):
+               and not (c.batching == "continuous" and self.waiting and key(self.waiting[0]) < key(self.swapped[0]))):
             req = self.swapped[0]
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
             if num_new == 0 or not bm.can_swap_in(req.request_id, req.num_computed_tokens + num_new):
@@ -226,7 +244,7 @@ class Scheduler:
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in(req)
             bm.allocate(req, req.num_computed_tokens + num_new)
-            self._admit(req, out.step)
+            self._admit(req)
             out.swapped_in.append(req.request_id)
             row = self._row(req, num_new)
             (prefills if row.is_prefill else decodes).append(row)
@@ -245,11 +263,9 @@ class Scheduler:
                 req = next((r for r in self.waiting if r.request_id in self.static_batch), None)
                 if req is None:
                     break
-            if self.swapped and key(self.swapped[0]) < key(req):
-                break  # a swapped request ranks first: it waits for room, and so does everyone behind it
-            hits = bm.find_cached_prefix(req)
-            computed = len(hits) * c.block_size
-            num_new = self._num_new_tokens(req, computed, budget)
+            if self.swapped and (not forming or key(self.swapped[0]) < key(req)):
+                break  # a swapped request comes first: it waits for room, and so does everyone behind it
+            hits, computed, num_new = self._admission(req, budget)
             if num_new == 0 and c.batching == "continuous":
                 break  # static batching admits the whole batch now and prefills in later steps
             if not bm.can_allocate(req.request_id, computed + num_new, hits):
@@ -257,11 +273,13 @@ class Scheduler:
             self.waiting.remove(req)
             bm.allocate(req, computed + num_new, hits)
             req.num_computed_tokens = computed
-            self._admit(req, out.step)
-            out.admitted.append(req.request_id)
+            self._admit(req)
             if c.batching == "static":
                 self.static_batch.add(req.request_id)
             if num_new:  # a recomputed request whose prefix is all cached may need just a decode
+                if req.admitted_step is None:  # admitted = first given tokens (static members may wait)
+                    req.admitted_step = out.step
+                out.admitted.append(req.request_id)
                 row = self._row(req, num_new)
                 (prefills if row.is_prefill else decodes).append(row)
                 budget -= num_new

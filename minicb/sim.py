@@ -95,7 +95,11 @@ def simulate(requests: list[SimRequest], config: EngineConfig | None = None, max
         if step > max_steps:
             raise RuntimeError(f"simulation did not finish within max_steps={max_steps}")
         while nxt < len(pending) and pending[nxt][0] <= step:
-            sched.add_request(pending[nxt][2])
+            _, i, req = pending[nxt]
+            try:
+                sched.add_request(req)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
             nxt += 1
         out = sched.schedule()
         if on_step is not None:

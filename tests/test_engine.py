@@ -131,3 +131,18 @@ def test_prepacked_cpu_weights_change_nothing_but_rounding(tmp_path):
         assert type(layer).__name__ == ("MkldnnLinear" if packed else "Linear")
         runs[packed] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert runs[True] == runs[False]
+
+
+def test_abort_inside_stream_ends_the_stream(llm):
+    seen = []
+    for out in llm.stream([[3, 4, 5], [6, 7]], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)):
+        seen.append((out.request_id, out.finish_reason))
+        if out.finish_reason is None:
+            llm.engine.abort_request(out.request_id)  # e.g. a client that went away
+    assert sorted(r for r, reason in seen if reason == "abort") == sorted({r for r, _ in seen})
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_priorities_must_match_prompts(llm):
+    with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
+        llm.generate([[5, 6, 7], [8, 9, 10]], GREEDY, priorities=[1], use_tqdm=False)

@@ -215,7 +215,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             new = [rid for rid in out.admitted if rid not in self.static_batch]
             if new:
                 assert batch_done, f"static batch admitted {new} before {self.static_batch} finished"
-                self.static_batch = set(out.admitted)
+                # the batch is everyone who took a slot now (some get their first tokens later)
+                self.static_batch = {r.request_id for r in self.sched.running}
             live = {r.request_id for r in self.sched.running + self.sched.swapped}
             assert live <= self.static_batch
 

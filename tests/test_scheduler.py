@@ -185,11 +185,13 @@ def test_static_with_fewer_slots_than_requests():
 
 
 def test_static_admits_the_whole_batch_even_when_prompts_wait_for_budget():
-    # Budget 8, four 4-token prompts, 2 outputs each: all four join the batch in step 1, but only
-    # r0, r1 prefill there. Step 2: 2 decodes + r2 (4) + the first 2 tokens of r3. Step 3: r2
-    # decodes, r3's last 2 prompt tokens. So r0, r1: 1-2; r2: 2-3; r3: 3-4.
+    # Budget 8, four 4-token prompts, 2 outputs each: all four join the batch (take a slot) in
+    # step 1, but only r0, r1 prefill there. Step 2: 2 decodes + r2 (4) + the first 2 tokens of r3.
+    # Step 3: r2 decodes, r3's last 2 prompt tokens. So r0, r1: 1-2; r2: 2-3; r3: 3-4. "Admitted"
+    # is the step that first gives a request tokens (design.md), so r2 and r3 count from step 2.
     run = Run([SimRequest(4, 2) for _ in range(4)], cfg(batching="static", max_num_batched_tokens=8))
-    assert run.trace[0].admitted == ["0", "1", "2", "3"]
+    assert [rec.admitted for rec in run.trace][:2] == [["0", "1"], ["2", "3"]]
+    assert [r.slot for r in run.trace[1].rows] == [0, 1, 2, 3]  # all four held slots from step 1
     assert run.timeline() == [(1, 2), (1, 2), (2, 3), (3, 4)]
     assert run.row_shapes(2) == [("0", 4, 1, False), ("1", 4, 1, False), ("2", 0, 4, True), ("3", 0, 2, True)]
 
@@ -454,3 +456,16 @@ def test_stop_token_finishes_a_request():
     assert stop.request_id not in s.block_manager.block_tables
     drain(s)
     assert cap.finish_reason == "length" and cap.num_output_tokens == 3
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_out_of_blocks_preempts_the_lowest_priority_not_the_newcomer(prefix_caching):
+    # A long low-priority request is decoding when a high-priority one arrives mid-way; blocks run
+    # short while the newcomer is still prefilling (4-token budget). The victim must be the
+    # low-priority request (the policy's last), never the high-priority one, which finishes first.
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=4, block_size=4, num_blocks=8,
+                          policy="priority", enable_prefix_caching=prefix_caching)
+    res = simulate([SimRequest(12, 18, 0, priority=0), SimRequest(16, 2, 4, priority=5)], config)
+    low, high = res.requests
+    assert high.num_preemptions == 0
+    assert high.finish_step < low.finish_step
