@@ -16,6 +16,7 @@ import minicb.model
 from minicb import LLM, SamplingParams
 from minicb.cuda_graph import DecodeGraphRunner, NoHostReads, batch_buckets
 from minicb.loader import load_model, make_tiny_model, save_tiny_model
+from reference import greedy_reference
 from minicb.request import Request
 from minicb.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -205,12 +206,7 @@ def arch_model(request, tmp_path_factory):
     """(LoadedModel, transformers' greedy tokens for every prompt, each run alone)."""
     path = save_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, seed=1)
     hf = make_tiny_model(request.param, seed=1, dtype=torch.float64)
-    refs = []
-    with torch.no_grad():
-        for p, n in zip(PROMPTS, MAX_TOKENS):
-            out = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              pad_token_id=0, eos_token_id=None)
-            refs.append(out[0, len(p):].tolist())
+    refs = greedy_reference(hf, PROMPTS, MAX_TOKENS)
     return load_model(path, dtype=torch.float64), refs
 
 

@@ -12,6 +12,7 @@ import torch
 
 from minicb import LLM, SamplingParams
 from minicb.loader import load_model, make_tiny_model, save_tiny_model
+from reference import greedy_reference
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "llama3"]
 rng = random.Random(0)
@@ -29,12 +30,7 @@ def model(request, tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, seed=1)
     loaded = load_model(path, dtype=torch.float64)
     hf = make_tiny_model(arch, seed=1, dtype=torch.float64)
-    refs = []
-    with torch.no_grad():
-        for p, n in zip(PROMPTS, MAX_TOKENS):
-            out = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              pad_token_id=0, eos_token_id=None)
-            refs.append(out[0, len(p):].tolist())
+    refs = greedy_reference(hf, PROMPTS, MAX_TOKENS)
     return loaded, refs, hf
 
 
