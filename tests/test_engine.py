@@ -128,7 +128,7 @@ def test_prepacked_cpu_weights_change_nothing_but_rounding(tmp_path):
     for packed in (False, True):
         llm = LLM.from_loaded(loaded32, block_size=4, num_blocks=64, prepack_cpu_weights=packed)
         layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj
-        assert type(layer).__name__ == ("MkldnnLinear" if packed else "Linear")
+        assert type(layer).__name__ == ("PackedLinear" if packed else "Linear")
         runs[packed] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert runs[True] == runs[False]
 
