@@ -4,6 +4,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from minicb import bench
 
@@ -61,3 +62,14 @@ def test_cli_options_and_json(tmp_path, capsys):
     rows = json.loads(path.read_text())["w3"]
     assert [r["num_running"] for r in rows] == [4, 4, 4]
     assert "W3 scheduler overhead" in capsys.readouterr().out
+
+
+def test_gemm_peaks_measure_every_cpu_kernel():
+    from minicb.bench_w1 import cpu_model, gemm_peak_gflops, gemm_peaks
+
+    peaks = gemm_peaks(n=128, repeats=2)
+    assert "torch.matmul" in peaks and all(v > 0 for v in peaks.values())
+    if torch.backends.mkldnn.is_available():
+        assert "oneDNN packed" in peaks  # the kernel PackedLinear runs must be in the peak
+    assert gemm_peak_gflops(n=128, repeats=2) > 0
+    assert cpu_model()
