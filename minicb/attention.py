@@ -96,38 +96,39 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sli
     """One query per sequence against its cached context.
 
     q: (B, num_heads, head_dim); block_tables: (B, max_blocks); context_lens: (B,), each >= 1
-    (a padded row uses 1 and a table of sink ids). Returns (B, num_heads, head_dim). Graph-safe: every shape comes from tensor shapes,
-    never from tensor values (no .item(), no boolean indexing).
+    (a padded row uses 1 and a table of sink ids). Returns (B, num_heads, head_dim). Graph-safe: every
+    shape comes from tensor shapes, never from tensor values (no .item(), no boolean indexing).
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
     max_len = block_tables.shape[1] * block_size  # gather width: decided by the caller
 
-    # Gather each sequence's blocks in table order: (B, max_len, kv_heads, head_dim)
+    # Gather each sequence's blocks in table order: (B, max_len, kv_heads, head_dim). This copy is
+    # the price of paging in plain PyTorch; a fused kernel (vLLM's) reads the blocks in place.
     flat_tables = block_tables.reshape(-1)
     k = k_cache.index_select(0, flat_tables).view(batch, max_len, kv_heads, head_dim)
     v = v_cache.index_select(0, flat_tables).view(batch, max_len, kv_heads, head_dim)
 
-    # Grouped-query attention without copying K/V: the `group` query heads that share kv head h
-    # form one (group, head_dim) matrix per sequence. Looping over the few kv heads keeps every
-    # matmul on strided views of the gathered K/V (a 4-d matmul would first copy K transposed).
-    qg = q.reshape(batch, kv_heads, group, head_dim)
-    scores = torch.stack([qg[:, h] @ k[:, :, h].transpose(1, 2) for h in range(kv_heads)], dim=1)
-    # scores: (B, kv_heads, group, max_len)
-
-    # Slot t holds absolute position t; only positions < context_len are this sequence's.
+    # Slot t of the gathered rows holds absolute position t; only positions < context_len are this
+    # sequence's (the rest are the tail of its last block, or sink padding).
     positions = torch.arange(max_len, device=q.device)
-    masked = positions >= context_lens[:, None]  # (B, max_len)
+    allowed = positions < context_lens[:, None]  # (B, max_len)
     if sliding_window is not None:  # the query sits at position context_len - 1
-        masked |= positions <= context_lens[:, None] - 1 - sliding_window
-    # Softmax in at least float32 (bf16/fp16 sums lose digits); float64 stays float64.
-    softmax_dtype = torch.promote_types(q.dtype, torch.float32)
-    scores = (scores.to(softmax_dtype) * scale).masked_fill(masked[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        allowed &= positions > context_lens[:, None] - 1 - sliding_window
 
-    out = torch.stack([probs[:, h] @ v[:, :, h] for h in range(kv_heads)], dim=1)  # (B, kv_heads, group, head_dim)
-    return out.view(batch, num_heads, head_dim)
+    # Grouped-query attention: the `group` query heads that share kv head h attend to the same keys,
+    # so they are handed to SDPA as `group` queries of one (sequence, kv head) pair, and K/V are never
+    # copied per query head. Per (sequence, kv head): softmax(q K^T * scale, masked) V, with the
+    # softmax accumulated in float32 (float64 stays float64) by the fused kernel.
+    out = F.scaled_dot_product_attention(
+        q.view(batch, kv_heads, group, head_dim),  # (B, kv_heads, group, head_dim)
+        k.transpose(1, 2),  # (B, kv_heads, max_len, head_dim), a strided view
+        v.transpose(1, 2),
+        attn_mask=allowed[:, None, None, :],  # broadcast over kv heads and the group's queries
+        scale=scale,
+    )
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def prefill_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None):
