@@ -137,6 +137,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=200, help="W3: timed steps per size")
     parser.add_argument("--competitors", nargs="+", default=None,
                         help="W1: a subset of hf_static hf_continuous minicb_static minicb_continuous")
+    parser.add_argument("--cooldown", type=float, default=20.0,
+                        help="W1: idle seconds before each competitor after the first, so that none runs on a "
+                             "machine still slowed by the previous one (default 20)")
     parser.add_argument("--model", default=None, help="W2: model dir or hub id (default Qwen3-0.6B from the HF cache)")
     parser.add_argument("--figures-dir", default="figures", help="W1: where the comparison figure goes")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
@@ -162,7 +165,7 @@ def _w1(args) -> dict:
 
     from .bench_w1 import COMPETITORS, print_w1, run_w1, w1_figure
 
-    report = run_w1(competitors=args.competitors or COMPETITORS)
+    report = run_w1(competitors=args.competitors or COMPETITORS, cooldown_s=args.cooldown)
     for r in report["results"]:
         r.pop("trace", None)
     print_w1(report)

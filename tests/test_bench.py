@@ -73,3 +73,19 @@ def test_gemm_peaks_measure_every_cpu_kernel():
         assert "oneDNN packed" in peaks  # the kernel PackedLinear runs must be in the peak
     assert gemm_peak_gflops(n=128, repeats=2) > 0
     assert cpu_model()
+
+
+def test_w1_table_names_both_peaks(capsys):
+    from minicb.bench_w1 import print_w1
+
+    row = dict(name="minicb continuous (64 slots)", throughput=300.0, wall_s=13.0, ttft_p50=1.0, ttft_p99=1.5,
+               tpot_p50=0.1, tpot_p99=0.2, peak_mem_mib=5, slot_utilization=0.24, achieved_gflops=80.0,
+               roofline_fraction=0.2)
+    print_w1(dict(machine="2 cores of a CPU", num_requests=64, prompt_tokens=3103, output_tokens=3920,
+                  gemm_peak_gflops=400.0, gemm_peaks={"torch.matmul": 190.0, "oneDNN packed": 400.0},
+                  flops_per_token=269e6, results=[row],
+                  decode_step=dict(batch=64, context=100, step_ms=140.0, gflops=120.0, gemm_peak_gflops=400.0)))
+    out = capsys.readouterr().out
+    assert "GEMM peak 400 GFLOP/s (float32, the best of: torch.matmul 190, oneDNN packed 400)" in out
+    assert "= 30% of the GEMM peak (63% of torch.matmul)" in out
+    assert "24%" in out  # slot utilization
