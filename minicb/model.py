@@ -255,8 +255,10 @@ def prepack_for_cpu(model: CausalLM) -> CausalLM:
 
     Float64 (the exact-parity tests) has no oneDNN path, and neither has a GPU: both keep nn.Linear.
     """
-    if not torch.backends.mkldnn.is_available():
-        return model  # a PyTorch built without oneDNN: plain matmuls, same results
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")):
+        return model  # a PyTorch without oneDNN or these private ops: plain matmuls, same results
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
