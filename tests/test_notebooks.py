@@ -52,6 +52,22 @@ def test_every_notebook_has_a_worked_solution():
     assert [p.name for p in LEARNER] == [p.name for p in SOLUTIONS]
 
 
+@pytest.mark.parametrize("path", SOLUTIONS, ids=_id)
+def test_learner_notebook_is_written_from_its_solution(path):
+    """The solution is the source; the learner's copy must be exactly what make_learner.py writes."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("make_learner", NOTEBOOK_DIR / "make_learner.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    expected = make.dump(make.learner_version(json.loads(path.read_text())))
+    assert (NOTEBOOK_DIR / path.name).read_text() == expected, \
+        f"notebooks/{path.name} differs from its solution: edit the solution, then run python notebooks/make_learner.py"
+    starters = sum("starter" in c.get("metadata", {}).get("minicb", {}) for c in json.loads(path.read_text())["cells"])
+    assert starters >= 1, f"{_id(path)} marks no exercise cell with a starter"
+
+
 @pytest.mark.notebooks
 @pytest.mark.parametrize("path", LEARNER + SOLUTIONS, ids=_id)
 def test_notebook_executes(path, monkeypatch):
