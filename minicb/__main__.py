@@ -24,6 +24,7 @@ DEMO_PROMPTS = [
 
 def cmd_demo(args):
     from minicb import LLM, SamplingParams
+    from minicb.engine import chat_token_ids
     from minicb.loader import load_model
     from minicb.viz import slot_occupancy
 
@@ -37,21 +38,23 @@ def cmd_demo(args):
     results = {}
     for mode in ("continuous", "static"):
         llm = LLM.from_loaded(loaded, batching=mode, max_num_seqs=args.max_num_seqs)
-        prompts = [llm.chat_prompt(p) for p in DEMO_PROMPTS]
+        prompts = [chat_token_ids(llm.get_tokenizer(), [{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         results[mode] = (outs, time.perf_counter() - t0, llm.engine.trace)
         if mode == "continuous":
             print(f"KV cache: {llm.engine.kv_cache}")
             for q, o in zip(DEMO_PROMPTS, outs):
-                print(f"\n\033[1m> {q}\033[0m\n{o.text.strip()}  [{len(o.token_ids)} tokens, {o.finish_reason}]")
+                s = o.outputs[0]
+                print(f"\n\033[1m> {q}\033[0m\n{s.text.strip()}  [{len(s.token_ids)} tokens, {s.finish_reason}]")
         del llm
     print(f"\nStatic vs continuous batching: same 12 prompts, same model, {args.max_num_seqs} slots")
     print(f"{'mode':<12}{'steps':>7}{'time (s)':>10}{'tokens/s':>10}{'slot use':>10}")
     for mode, (outs, dt, trace) in results.items():
-        ntok = sum(len(o.token_ids) for o in outs)
+        ntok = sum(len(o.outputs[0].token_ids) for o in outs)
         print(f"{mode:<12}{len(trace):>7}{dt:>10.2f}{ntok / dt:>10.1f}{trace.slot_utilization():>10.0%}")
-    same = all(a.token_ids == b.token_ids for a, b in zip(results["continuous"][0], results["static"][0]))
+    same = all(a.outputs[0].token_ids == b.outputs[0].token_ids
+               for a, b in zip(results["continuous"][0], results["static"][0]))
     print(f"identical outputs in both modes: {same}")
     out_dir = Path(args.figures_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -68,19 +71,21 @@ def cmd_generate(args):
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     llm = LLM(args.model)
-    prompts = [llm.chat_prompt(p) if not args.raw else p for p in args.prompts]
+    prompts = [p if args.raw else chat_token_ids(llm.get_tokenizer(), [{"role": "user", "content": p}])
+               for p in args.prompts]
     if len(prompts) == 1:  # stream one answer to the terminal as it is generated
         shown = ""
         for out in llm.stream(prompts, params):
             # Print the growth of the decoded text, not token by token: a character may span tokens.
-            if out.text.startswith(shown) and (out.finished or not out.text.endswith("\ufffd")):
-                sys.stdout.write(out.text[len(shown):])
+            text = out.outputs[0].text
+            if text.startswith(shown) and (out.finished or not text.endswith("\ufffd")):
+                sys.stdout.write(text[len(shown):])
                 sys.stdout.flush()
-                shown = out.text
+                shown = text
         print()
         return
     for q, out in zip(args.prompts, llm.generate(prompts, params)):
-        print(f"> {q}\n{out.text.strip()}\n")
+        print(f"> {q}\n{out.outputs[0].text.strip()}\n")
 
 
 def main(argv=None):

@@ -221,7 +221,7 @@ class AsyncEngine:
         try:
             # Aborted requests also come back from step() without a token; _abort has
             # already delivered and counted those.
-            outputs = [o for o in self.engine.step() if o.new_token_ids]
+            outputs = [o for o in self.engine.step() if o.outputs[0].new_token_ids]
         except Exception as e:  # a bug or out of memory: fail the requests in flight, keep serving
             log.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
             self._fail_all(e)
@@ -261,11 +261,11 @@ class AsyncEngine:
     def _record_finished(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
             for out in outputs:
-                self.finished_total[out.finish_reason] += 1
+                self.finished_total[out.outputs[0].finish_reason] += 1
                 self.prompt_tokens_total += len(out.prompt_token_ids)
                 if out.metrics.ttft is not None:
                     self.ttft.observe(out.metrics.ttft)
-                t = tpot(out.metrics, len(out.token_ids))
+                t = tpot(out.metrics, len(out.outputs[0].token_ids))
                 if t is not None:
                     self.tpot.observe(t)
 

@@ -3,9 +3,9 @@
 Idea (PagedAttention, Kwon et al., SOSP 2023): a sequence's keys and values live in
 blocks scattered over the KV cache; its block_table lists them in order. Three steps:
 
-  store_kv           write this step's K/V into their slots (slot_mapping), one index_copy_
+  store_kv           write this step's K/V to their cache locations (cache_locs), one index_copy_
   decode_attention   one query per sequence: gather the blocks of every table, mask the
-                     slots past context_len, attend. Fixed shapes, so it can be captured
+                     positions past context_len, attend. Fixed shapes, so it can be captured
                      in a CUDA graph.
   prefill_attention  a chunk of queries per sequence (chunked prefill, Sarathi,
                      Agrawal et al. 2023): attend causally to the cached prefix + the chunk.
@@ -25,7 +25,9 @@ import torch.nn.functional as F
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each sequence may attend to."""
 
-    slot_mapping: torch.Tensor  # (num_tokens,) int64: block_id * block_size + offset for each token's K/V
+    # (num_tokens,) int64: where each token's K/V goes, its cache location block_id * block_size + offset
+    # (vLLM calls this tensor slot_mapping; minicb keeps "slot" for a batch row)
+    cache_locs: torch.Tensor
     block_tables: torch.Tensor  # (num_seqs, max_blocks) int64, padded with the sink block id
     context_lens: torch.Tensor  # (num_seqs,) int64: tokens in the cache AFTER this step's writes
     query_start_loc: torch.Tensor  # (num_seqs + 1,) int64: cumulative query lengths
@@ -39,7 +41,7 @@ class AttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return self.slot_mapping.shape[0]
+        return self.cache_locs.shape[0]
 
     @classmethod
     def build(
@@ -58,14 +60,14 @@ class AttentionMetadata:
             raise ValueError("block_tables, context_lens and query_lens must have one entry per sequence")
         if any(q != 1 for q in query_lens[:num_decodes]):
             raise ValueError(f"the first num_decodes={num_decodes} sequences must have query_len 1")
-        slots, starts = [], [0]
+        locs, starts = [], [0]
         for table, ctx, qlen in zip(block_tables, context_lens, query_lens):
             if not 1 <= qlen <= ctx:
                 raise ValueError(f"query_len {qlen} must be between 1 and context_len {ctx}")
             if len(table) * block_size < ctx:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold context_len {ctx}")
             for pos in range(ctx - qlen, ctx):  # absolute positions of the new tokens
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+                locs.append(table[pos // block_size] * block_size + pos % block_size)
             starts.append(starts[-1] + qlen)
         width = max((len(t) for t in block_tables), default=0)
         padded = [t + [pad_block_id] * (width - len(t)) for t in block_tables]
@@ -74,7 +76,7 @@ class AttentionMetadata:
             return torch.tensor(x, dtype=torch.long, device=device)
 
         return cls(
-            slot_mapping=as_tensor(slots),
+            cache_locs=as_tensor(locs),
             block_tables=as_tensor(padded),
             context_lens=as_tensor(context_lens),
             query_start_loc=as_tensor(starts),
@@ -84,12 +86,12 @@ class AttentionMetadata:
         )
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write K/V of shape (num_tokens, kv_heads, head_dim) into their slots of the paged cache."""
+def store_kv(k, v, k_cache, v_cache, cache_locs) -> None:
+    """Write K/V of shape (num_tokens, kv_heads, head_dim) at their cache locations in the paged cache."""
     kv_heads, head_dim = k_cache.shape[-2:]
-    # (num_blocks, block_size, kv_heads, head_dim) seen as (num_slots, kv_heads, head_dim)
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    # (num_blocks, block_size, kv_heads, head_dim) seen as (num_locations, kv_heads, head_dim)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, cache_locs, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, cache_locs, v)
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None):
@@ -177,7 +179,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, s
     q: (num_tokens, num_heads, head_dim), k/v: (num_tokens, kv_heads, head_dim).
     Returns (num_tokens, num_heads, head_dim).
     """
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    store_kv(k, v, k_cache, v_cache, meta.cache_locs)
     nd = meta.num_decodes
     parts = []
     if nd > 0:

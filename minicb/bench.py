@@ -32,18 +32,18 @@ W3_SIZES = (64, 128, 256, 512)
 
 def host_inputs(out, block_size: int):
     """The pure-Python part of input preparation: the flat lists a model runner turns into
-    tensors (input_ids, positions, slot_mapping, context_lens, query_start_loc, block tables)."""
-    input_ids, positions, slot_mapping, context_lens, query_start_loc, tables = [], [], [], [], [0], []
+    tensors (input_ids, positions, cache_locs, context_lens, query_start_loc, block tables)."""
+    input_ids, positions, cache_locs, context_lens, query_start_loc, tables = [], [], [], [], [0], []
     for row in out.scheduled:
         start, n, table = row.start, row.num_tokens, row.block_table
         input_ids += row.request.token_ids[start:start + n]
         positions += range(start, start + n)
-        # slot = block_id * block_size + offset: where this token's K/V is written
-        slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        # cache location = block_id * block_size + offset: where this token's K/V is written
+        cache_locs += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
         context_lens.append(start + n)
         query_start_loc.append(query_start_loc[-1] + n)
         tables.append(table)
-    return input_ids, positions, slot_mapping, context_lens, query_start_loc, tables
+    return input_ids, positions, cache_locs, context_lens, query_start_loc, tables
 
 
 def w3_scheduler(num_running: int, steps: int, block_size: int = 16, warmup: int = 5) -> Scheduler:

@@ -91,7 +91,7 @@ def run_w2(model_path: str | None = None, use_cuda_graph: bool = True, *, num_re
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
 
-    output_tokens = sum(len(o.token_ids) for o in outs)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "workload": "W2", "model": loaded.name, "device": torch.cuda.get_device_name(), "dtype": dtype,
         "use_cuda_graph": use_cuda_graph, "num_requests": num_requests,

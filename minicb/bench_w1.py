@@ -159,9 +159,9 @@ def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
         t0 = time.perf_counter()
         res = llm.generate(prompts, params)
         wall = time.perf_counter() - t0
-    assert [len(o.token_ids) for o in res] == outs
+    assert [len(o.outputs[0].token_ids) for o in res] == outs
     ttfts = [o.metrics.first_token_time - t0 for o in res]
-    tpots = [t for o in res if (t := tpot(o.metrics, len(o.token_ids))) is not None]
+    tpots = [t for o in res if (t := tpot(o.metrics, len(o.outputs[0].token_ids))) is not None]
     trace = llm.engine.trace
     slots = llm.engine.config.max_num_seqs
     return _result(f"minicb {batching} ({slots} slots)", wall, outs, ttfts, tpots, mem.mib,

@@ -1,6 +1,6 @@
 """BlockManager: paged KV-cache memory, as in vLLM's PagedAttention (Kwon et al., SOSP 2023).
 
-The KV cache is cut into `num_blocks` fixed-size blocks of `block_size` token slots. A request
+The KV cache is cut into `num_blocks` fixed-size blocks of `block_size` tokens. A request
 owns a *block table*: the list of physical block ids that hold its tokens in order, so logical
 token i lives in block `table[i // block_size]` at offset `i % block_size`. Blocks are handed out
 one at a time as a sequence grows, so at most one partly filled block per request is wasted
@@ -128,7 +128,7 @@ class BlockManager:
         return self.num_blocks_needed(rid, num_tokens, computed_blocks) <= len(self.free_queue)
 
     def allocate(self, req: Request, num_tokens: int, computed_blocks: list[int] = ()) -> None:
-        """Grow `req`'s block table so it covers `num_tokens` token slots. `computed_blocks`
+        """Grow `req`'s block table so it covers `num_tokens` tokens. `computed_blocks`
         (prefix-cache hits, only when the table is new) are shared instead of allocated."""
         rid = req.request_id
         if not self.can_allocate(rid, num_tokens, computed_blocks):  # refuse before changing anything

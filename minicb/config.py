@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 BATCHING_MODES = ("continuous", "static")
-POLICIES = ("fifo", "sjf", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")  # vLLM has the first two; "sjf" is minicb's
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
@@ -30,10 +30,14 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output limit; None: the model's (or unlimited in sim)
 
     # --- scheduling ---
-    max_num_seqs: int = 64  # slots: requests running at once (the batch size of a decode step)
+    max_num_seqs: int = 64  # batch slots: requests running at once (the batch size of a decode step)
     max_num_batched_tokens: int = 256  # token budget of one step (decodes + prefill chunks)
-    batching: str = "continuous"  # "static": admit a batch, wait until all of it has finished
-    policy: str = "fifo"  # admission order: "fifo", "sjf" (fewest max_tokens) or "priority"
+    # "static" (minicb only, to compare against): admit a batch, wait until all of it has finished
+    batching: str = "continuous"
+    # Admission order, vLLM's names: "fcfs" (first come, first served) or "priority" (the LOWEST
+    # priority value first, ties by arrival, and it may preempt a running request with a higher
+    # value). minicb adds "sjf": fewest max_tokens first, which vLLM does not have.
+    scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True  # split long prompts so decodes keep running beside them
     preemption_mode: str = "recompute"  # when blocks run out: drop and re-prefill, or swap to CPU
 
@@ -62,7 +66,7 @@ class EngineConfig:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
         for name, allowed in (
             ("batching", BATCHING_MODES),
-            ("policy", POLICIES),
+            ("scheduling_policy", SCHEDULING_POLICIES),
             ("preemption_mode", PREEMPTION_MODES),
             ("dtype", DTYPES),
         ):

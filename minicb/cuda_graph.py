@@ -126,14 +126,14 @@ class DecodeGraphRunner:
         self.emulated = self.device.type != "cuda"
         self.block_size = config.block_size
         self.max_blocks = config.max_blocks_per_seq  # block-table columns: ceil(max_model_len / block_size)
-        self.sink_block_id, self.sink_slot = kv_cache.sink_block_id, kv_cache.sink_slot
+        self.sink_block_id, self.sink_loc = kv_cache.sink_block_id, kv_cache.sink_loc
         self.buckets = batch_buckets(min(config.max_num_seqs, max_batch_size or MAX_GRAPH_BATCH))
 
         # Static inputs sized for the largest bucket; a bucket's graph reads their first rows.
         n, long = self.buckets[-1], dict(dtype=torch.long, device=self.device)
         self.input_ids = torch.zeros(n, **long)  # (n,)
         self.positions = torch.zeros(n, **long)  # (n,)
-        self.slot_mapping = torch.zeros(n, **long)  # (n,)
+        self.cache_locs = torch.zeros(n, **long)  # (n,)
         self.context_lens = torch.zeros(n, **long)  # (n,)
         self.block_tables = torch.zeros(n, self.max_blocks, **long)  # (n, max_blocks)
         self.query_start_loc = torch.arange(n + 1, **long)  # (n + 1,): one query per row, never changes
@@ -148,7 +148,7 @@ class DecodeGraphRunner:
     def _step_fn(self, b: int):
         """The decode step of bucket b as a callable over the static buffers only."""
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b],
+            cache_locs=self.cache_locs[:b],
             block_tables=self.block_tables[:b],
             context_lens=self.context_lens[:b],
             query_start_loc=self.query_start_loc[:b + 1],
@@ -195,7 +195,7 @@ class DecodeGraphRunner:
         """Make rows start..stop-1 padding: token 0 at position 0, writing and reading only the sink."""
         self.input_ids[start:stop] = 0
         self.positions[start:stop] = 0
-        self.slot_mapping[start:stop] = self.sink_slot
+        self.cache_locs[start:stop] = self.sink_loc
         self.context_lens[start:stop] = 1
         self.block_tables[start:stop] = self.sink_block_id
 
@@ -207,12 +207,12 @@ class DecodeGraphRunner:
         bucket = self.bucket_for(num_rows)
         if bucket is None or not self.can_run(out):
             raise ValueError(f"not a decode-only step of 1..{self.buckets[-1]} rows: run it eagerly")
-        ids, positions, slots, context_lens, tables = [], [], [], [], []
+        ids, positions, locs, context_lens, tables = [], [], [], [], []
         for r in rows:  # host-side bookkeeping, outside the graph: Python values are fine here
             pos = r.start  # the one token fed sits at position start and sees start + 1 tokens
             ids.append(r.request.token_ids[pos])
             positions.append(pos)
-            slots.append(r.block_table[pos // bs] * bs + pos % bs)
+            locs.append(r.block_table[pos // bs] * bs + pos % bs)
             context_lens.append(pos + 1)
             tables.append(r.block_table[:pos // bs + 1])  # only the blocks in use
         width = max(len(t) for t in tables)  # how many columns to copy (the graph reads all of them)
@@ -226,7 +226,7 @@ class DecodeGraphRunner:
 
         self.input_ids[:num_rows].copy_(host(ids))
         self.positions[:num_rows].copy_(host(positions))
-        self.slot_mapping[:num_rows].copy_(host(slots))
+        self.cache_locs[:num_rows].copy_(host(locs))
         self.context_lens[:num_rows].copy_(host(context_lens))
         self.block_tables[:num_rows, :width].copy_(host(padded))
         self.block_tables[:num_rows, width:] = self.sink_block_id  # masked anyway; keep them harmless

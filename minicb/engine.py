@@ -7,6 +7,7 @@
 Everything a user sees (generate, stream, the HTTP server) is this loop called again and again.
 """
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ from .kv_cache import KVCache, kv_bytes_per_token
 from .loader import LoadedModel, load_model
 from .model import CausalLM, prepack_for_cpu
 from .model_runner import ModelRunner
-from .request import Request, RequestOutput
+from .request import CompletionOutput, Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .trace import Trace
@@ -88,7 +89,7 @@ class Engine:
             request_id = str(self._next_id)
             self._next_id += 1
         req = Request(request_id, ids, params, priority, arrival_index=self._num_added,
-                      eos_token_ids=self.eos_token_ids)
+                      eos_token_ids=self.eos_token_ids, prompt=prompt if isinstance(prompt, str) else None)
         req.metrics.arrival_time = time.perf_counter()
         self.scheduler.add_request(req)
         self._num_added += 1
@@ -132,16 +133,30 @@ class Engine:
         return outputs
 
     def _output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
+        """A snapshot of `req` for the user (copies: later steps never change it)."""
         out_ids = req.output_token_ids
         text = ""
         if self.tokenizer is not None and (req.is_finished or self.detokenize_every_step):
             text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-        return RequestOutput(req.request_id, req.prompt_token_ids, out_ids, text, req.finish_reason,
-                             new_token_ids, req.metrics)
+        sample = CompletionOutput(index=0, text=text, token_ids=out_ids, finish_reason=req.finish_reason,
+                                  stop_reason=req.stop_reason, new_token_ids=new_token_ids)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, [sample],
+                             req.is_finished, dataclasses.replace(req.metrics))
+
+
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation in the model's chat template, ending where the assistant replies."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: pass prompts (text or token ids) instead")
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
 
 
 class LLM:
-    """The offline front end: `LLM(model, **EngineConfig fields).generate(prompts, params)`."""
+    """The offline front end, with vLLM's names: `LLM(model, **EngineConfig fields)`,
+    `generate(prompts, sampling_params)`, `chat(messages, sampling_params)`, `get_tokenizer()`.
+    A script written for `vllm.LLM` runs with only the import changed. minicb adds `stream()`,
+    `engine` (the step loop, to look inside) and the configurations vLLM lacks (see EngineConfig)."""
 
     def __init__(self, model: str | None = None, **config_fields):
         self.engine = Engine(EngineConfig(model=model, **config_fields))
@@ -153,32 +168,24 @@ class LLM:
         llm.engine = Engine(EngineConfig(model=loaded.name, **config_fields), loaded)
         return llm
 
-    @property
-    def tokenizer(self):
+    def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def chat_prompt(self, message: str, system: str | None = None) -> list[int]:
-        """Token ids of one user message in the model's chat template, ready for a reply."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
-
-    def _add_all(self, prompts, params, priorities) -> list[str]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    def _add_all(self, prompts, sampling_params, priority) -> list[str]:
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
-        if isinstance(params, (list, tuple)):
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        prompts = [_prompt_of(p) for p in prompts]
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
         else:
-            params = [params or SamplingParams()] * len(prompts)
-        priorities = [0] * len(prompts) if priorities is None else list(priorities)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p, prio in zip(prompts, params, priorities):
+            for prompt, p, prio in zip(prompts, sampling_params, priority):
                 ids.append(self.engine.add_request(prompt, p, prio))
         except ValueError as e:  # all or nothing: a bad prompt leaves nothing behind
             for rid in ids:
@@ -186,9 +193,14 @@ class LLM:
             raise ValueError(f"prompt {len(ids)}: {e}") from None
         return ids
 
-    def generate(self, prompts, params=None, priorities=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts to completion; one RequestOutput per prompt, in input order."""
-        ids = self._add_all(prompts, params, priorities)
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; one RequestOutput per prompt, in input order.
+
+        prompts: a string, a list of token ids, {"prompt": text} or {"prompt_token_ids": ids}, or a
+        list of those. sampling_params: one for all prompts, or a list with one per prompt.
+        priority: one int per prompt, the lowest served first (needs scheduling_policy="priority")."""
+        ids = self._add_all(prompts, sampling_params, priority)
         results: dict[str, RequestOutput] = {}
         self.engine.detokenize_every_step = False
         bar = None
@@ -216,9 +228,17 @@ class LLM:
                     self.engine.abort_request(rid)
         return [results[rid] for rid in ids]
 
-    def stream(self, prompts, params=None, priorities=None) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput each time a request gets a token (`.finished` on its last)."""
-        ids = set(self._add_all(prompts, params, priorities))
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} dicts) or to a list of them,
+        each rendered by the model's chat template. Returns one RequestOutput per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [chat_token_ids(tokenizer, conv) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompts, sampling_params=None, priority=None) -> Iterator[RequestOutput]:
+        """minicb: yield a RequestOutput each time a request gets a token (`.finished` on its last)."""
+        ids = set(self._add_all(prompts, sampling_params, priority))
         remaining = set(ids)
         try:
             while remaining:
@@ -230,3 +250,14 @@ class LLM:
         finally:
             for rid in remaining:
                 self.engine.abort_request(rid)
+
+
+def _prompt_of(prompt):
+    """A prompt as text or token ids; vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts too."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+    return prompt

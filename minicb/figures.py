@@ -131,8 +131,8 @@ def reservation_waste():
     used = {"A (500 tokens)": 500, "B (50 tokens)": 50}
     return viz.bars({k: {"contiguous 8K reservation": 8000, "paged, 16-token blocks": -(-n // 16) * 16,
                          "tokens stored": n} for k, n in used.items()},
-                    "token slots (log scale)", logy=True,
-                    title="Reserved vs used KV slots (iteration-level-scheduling.txt example)")
+                    "KV token positions (log scale)", logy=True,
+                    title="Reserved vs used KV token positions (iteration-level-scheduling example)")
 
 
 def _fit_workload():
@@ -160,7 +160,7 @@ def fragmentation():
 
     return viz.curves(sizes, {"workload of notebook 01 (100-1000 tokens)": [waste(lens, b) for b in sizes],
                               "short chats (20-120 tokens)": [waste(range(20, 121), b) for b in sizes]},
-                      "block_size (tokens)", "% of allocated KV slots left empty", logx=True,
+                      "block_size (tokens)", "% of allocated KV positions left empty", logx=True,
                       title="Internal fragmentation: the unfilled tail of each request's last block")
 
 
@@ -188,7 +188,7 @@ def _policy_runs():
     reqs = ([SimRequest(prompt_len=8, output_len=60, request_id="L")]
             + [SimRequest(prompt_len=8, output_len=5, request_id=f"s{i}") for i in range(8)]
             + [SimRequest(prompt_len=8, output_len=20, request_id="M")])
-    return {p: simulate(reqs, EngineConfig(max_num_seqs=2, policy=p)) for p in ("fifo", "sjf")}
+    return {p: simulate(reqs, EngineConfig(max_num_seqs=2, scheduling_policy=p)) for p in ("fcfs", "sjf")}
 
 
 def policies():
@@ -200,7 +200,7 @@ def policy_latency():
     return viz.latency_distributions({p: {"TTFT": [q.ttft_steps for q in r.requests],
                                           "latency": [q.latency_steps for q in r.requests]}
                                       for p, r in _policy_runs().items()},
-                                     title="FIFO vs shortest-job-first (same 10 requests, 2 slots)")
+                                     title="FCFS vs shortest-job-first (same 10 requests, 2 slots)")
 
 
 def _late_arrivals(batching):
@@ -234,9 +234,10 @@ def thrashing():
 
 
 def priority_timeline():
-    reqs = ([SimRequest(prompt_len=8, output_len=30, priority=0, request_id=f"bg{i}") for i in range(2)]
-            + [SimRequest(prompt_len=8, output_len=5, arrival_step=6, priority=1, request_id="vip")])
-    res = simulate(reqs, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=64, policy="priority"))
+    # vLLM's rule: the lowest priority value is served first; vip's 0 outranks the background's 1.
+    reqs = ([SimRequest(prompt_len=8, output_len=30, priority=1, request_id=f"bg{i}") for i in range(2)]
+            + [SimRequest(prompt_len=8, output_len=5, arrival_step=6, priority=0, request_id="vip")])
+    res = simulate(reqs, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=64, scheduling_policy="priority"))
     return viz.request_timeline(res.requests, trace=res.trace,
                                 title="Priority: vip arrives in step 6 and preempts bg1 (2 slots)")
 

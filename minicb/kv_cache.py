@@ -1,14 +1,15 @@
-"""The paged KV cache: fixed-size blocks of key/value slots, one pool per layer.
+"""The paged KV cache: fixed-size blocks of key/value entries, one pool per layer.
 
 Idea (PagedAttention, Kwon et al., SOSP 2023, "Efficient Memory Management for Large
 Language Model Serving with PagedAttention"): instead of one contiguous buffer per
-request, the cache is a pool of equal blocks of `block_size` token slots. A request
+request, the cache is a pool of equal blocks of `block_size` tokens. A request
 owns a list of block ids (its block_table), handed out by the pure-Python
-BlockManager, so memory is allocated one block at a time and never fragments.
+BlockManager, so memory is allocated one block at a time: any free block fits any request (no
+external fragmentation), and at most the last, partly filled block of a request is wasted.
 
 Layout, per layer: `k_caches[i]` and `v_caches[i]` have shape
-(num_blocks + 1, block_size, num_kv_heads, head_dim). A token's slot is
-`block_id * block_size + offset`; viewed flat, the cache is (num_slots, kv_heads, head_dim).
+(num_blocks + 1, block_size, num_kv_heads, head_dim). A token's cache location
+is `block_id * block_size + offset`; viewed flat, the cache is (num_locations, kv_heads, head_dim).
 
 The extra last block (id `num_blocks`) is the *sink*. It belongs to no request: padded
 rows of a batch (CUDA-graph buckets) write their K/V into it and read only from it, so
@@ -55,7 +56,7 @@ class KVCache:
         self.device = torch.device(device)
         self.num_cpu_blocks = num_cpu_blocks
         self.sink_block_id = num_blocks  # the extra block at the end
-        self.sink_slot = self.sink_block_id * block_size
+        self.sink_loc = self.sink_block_id * block_size  # the sink's first cache location
 
         # One tensor for all layers, so that swapping a set of blocks is one
         # index_select over dim 1 instead of a loop over layers.

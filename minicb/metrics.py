@@ -51,9 +51,9 @@ def summarize(outputs) -> Summary:
     ms = [o.metrics for o in outputs]
     start = min(m.arrival_time for m in ms)
     end = max(m.finish_time for m in ms)
-    ntok = sum(len(o.token_ids) for o in outputs)
+    ntok = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     ttfts = [m.ttft for m in ms if m.ttft is not None]
-    tpots = [t for o in outputs if (t := tpot(o.metrics, len(o.token_ids))) is not None]
+    tpots = [t for o in outputs if (t := tpot(o.metrics, len(o.outputs[0].token_ids))) is not None]
     queues = [m.queue_time for m in ms if m.queue_time is not None]
     return Summary(len(outputs), ntok, end - start, ntok / (end - start) if end > start else float("nan"),
                    percentile(ttfts, 50), percentile(ttfts, 99), percentile(tpots, 50), percentile(tpots, 99),

@@ -3,7 +3,7 @@
 This is the seam between the scheduler's world (requests, block tables, token counts) and the
 model's world (one flat batch of tokens). Every scheduled row contributes `num_tokens`
 consecutive tokens to `input_ids`; `positions` give each token's place in its own sequence;
-`slot_mapping` says where its K/V goes in the paged cache; `block_tables` and `context_lens`
+`cache_locs` says where its K/V goes in the paged cache; `block_tables` and `context_lens`
 say what each row may attend to. There is no padding between requests: a step with 60 decodes
 and one 200-token prefill chunk is a (260, hidden) matrix, which is what makes mixing prefill
 and decode in one step cheap.

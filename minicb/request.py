@@ -58,8 +58,10 @@ class Request:
         priority: int = 0,
         arrival_index: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
+        prompt: str | None = None,
     ):
         self.request_id = request_id
+        self.prompt = prompt  # the text, when the prompt was given as text
         self.token_ids = list(prompt_token_ids)  # prompt + generated, grows by one per sample
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -69,10 +71,9 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache (0 again after recompute)
         self.slot: int | None = None  # row of the batch it occupies while running (for pictures)
         # Stop ids: the model's EOS (unless ignored) and the user's stop tokens.
-        stops = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stops |= set(eos_token_ids)
-        self.stop_token_ids = frozenset(stops)
+        self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self.stop_token_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())
+        self.stop_reason: int | str | None = None  # the user's stop token that ended it (vLLM's stop_reason)
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks (prefix cache)
         self.num_preemptions = 0
         self.admitted_step: int | None = None
@@ -119,17 +120,40 @@ class Request:
 
 
 @dataclass
-class RequestOutput:
-    """A snapshot of one request for the user. Streaming yields one per new token."""
+class CompletionOutput:
+    """One generated sequence of a request, as vLLM's `CompletionOutput` (a request with n > 1
+    has n of them). `text` and `token_ids` hold everything generated so far."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all generated tokens so far
-    text: str = ""
+    index: int  # which of the request's samples this is (0 while n == 1)
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when requested
+    logprobs: list | None = None  # per token: {token id: logprob}, when requested
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
-    new_token_ids: list[int] = field(default_factory=list)  # generated in this step
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    stop_reason: int | str | None = None  # the stop token id (or string) that ended it; None for EOS
+    new_token_ids: list[int] = field(default_factory=list)  # minicb: the tokens added in this step
 
-    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What a user gets back for one request, shaped as vLLM's `RequestOutput`.
+
+    A snapshot: the lists and the metrics are copies, so a later step never changes an output
+    already handed out. Streaming yields one per step in which the request got a token."""
+
+    request_id: str
+    prompt: str | None  # the prompt text, when the prompt was given as text
+    prompt_token_ids: list[int]
+    prompt_logprobs: list | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)  # minicb: wall-clock times
+
+    def __repr__(self):
+        outs = ", ".join(f"#{o.index}: {len(o.token_ids)} tokens {o.text[:40]!r}"
+                         + (f" ({o.finish_reason})" if o.finish_reason else "") for o in self.outputs)
+        return (f"RequestOutput({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, "
+                f"finished={self.finished}, outputs=[{outs}])")

@@ -77,11 +77,11 @@ class Scheduler:
         self.static_batch: set[str] = set()  # static mode: members of the batch being served
         self.step_count = 0
         self.finished: list[Request] = []  # finished or aborted since take_finished()
-        self.policy_key = {
-            "fifo": lambda r: r.arrival_index,
+        self.policy_key = {  # sort key: the request served first has the smallest key
+            "fcfs": lambda r: r.arrival_index,
+            "priority": lambda r: (r.priority, r.arrival_index),  # the lowest value first, as in vLLM
             "sjf": lambda r: (r.params.max_tokens, r.arrival_index),
-            "priority": lambda r: (-r.priority, r.arrival_index),
-        }[config.policy]
+        }[config.scheduling_policy]
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Request) -> None:
@@ -91,6 +91,9 @@ class Scheduler:
             raise ValueError("prompt is empty: at least one token is needed")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.priority != 0 and c.scheduling_policy != "priority":  # as vLLM refuses it
+            raise ValueError(f"got priority {req.priority} but scheduling_policy is {c.scheduling_policy!r}: "
+                             "priorities are used only with scheduling_policy='priority'")
         if c.max_model_len is not None and n + req.params.max_tokens > c.max_model_len:
             raise ValueError(f"prompt has {n} tokens and max_tokens is {req.params.max_tokens}: "
                              f"{n + req.params.max_tokens} exceeds max_model_len {c.max_model_len}")
@@ -158,7 +161,7 @@ class Scheduler:
         while self.waiting and self.running:
             best = self.waiting[0]
             victim = self._lowest_ranked_running()
-            if best.priority <= victim.priority:
+            if best.priority >= victim.priority:  # a lower value outranks; equals never preempt
                 return
             hits, computed, num_new = self._admission(best, self.config.max_num_batched_tokens)
             fits = len(self.running) < self.config.max_num_seqs and \
@@ -195,7 +198,7 @@ class Scheduler:
         budget = c.max_num_batched_tokens
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
-        if c.policy == "priority" and c.batching == "continuous":
+        if c.scheduling_policy == "priority" and c.batching == "continuous":
             self._preempt_for_priority(out)
 
         # 1. Running requests: decodes first, then prompts part-way through, each in policy order.
@@ -311,6 +314,7 @@ class Scheduler:
             if req.first_token_step is None:
                 req.first_token_step = out.step
             if token in req.stop_token_ids:
+                req.stop_reason = None if token in req.eos_token_ids else token  # vLLM: None for EOS
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
             elif req.num_output_tokens >= req.params.max_tokens:  # add_request keeps this within max_model_len
                 self._finish(req, RequestStatus.FINISHED_LENGTH)
@@ -333,6 +337,6 @@ class Scheduler:
 
     def __repr__(self):
         ids = lambda q: [r.request_id for r in q]
-        return (f"Scheduler(step={self.step_count}, {self.config.batching}/{self.config.policy}, "
+        return (f"Scheduler(step={self.step_count}, {self.config.batching}/{self.config.scheduling_policy}, "
                 f"waiting={ids(self.waiting)}, running={ids(self.running)}, swapped={ids(self.swapped)}, "
                 f"free_blocks={self.block_manager.num_free_blocks}/{self.config.num_blocks})")

@@ -145,11 +145,11 @@ def choice(chat: bool, stream: bool, text: str, out, token_ids: list[int]) -> di
         c = {"index": 0, "delta": {"content": text} if text or not out.finished else {}}
     else:
         c = {"index": 0, "message": {"role": "assistant", "content": text}}
-    return {**c, "logprobs": None, "finish_reason": out.finish_reason, "token_ids": token_ids}
+    return {**c, "logprobs": None, "finish_reason": out.outputs[0].finish_reason, "token_ids": token_ids}
 
 
 def usage(out) -> dict:
-    n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
@@ -259,7 +259,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
             out = result.result()
         except RuntimeError as e:  # the engine failed during this request
             raise APIError(500, str(e), kind="server_error") from None
-        return {**head, "choices": [choice(chat, False, out.text, out, out.token_ids)], "usage": usage(out)}
+        sample = out.outputs[0]
+        return {**head, "choices": [choice(chat, False, sample.text, out, sample.token_ids)], "usage": usage(out)}
 
     async def sse(stream: RequestStream, head: dict, chat: bool, include_usage: bool):
         event = lambda payload: f"data: {json.dumps(payload)}\n\n"
@@ -269,9 +270,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
         sent, out = "", None
         try:
             async for out in stream:
-                delta = text_delta(sent, out.text, out.finished)
+                delta = text_delta(sent, out.outputs[0].text, out.finished)
                 sent += delta
-                yield event({**head, "choices": [choice(chat, True, delta, out, out.new_token_ids)]})
+                yield event({**head, "choices": [choice(chat, True, delta, out, out.outputs[0].new_token_ids)]})
         except RuntimeError as e:  # the engine failed: tell the client inside the stream
             yield event({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
         finally:  # the client hung up (this generator was cancelled or closed): free its blocks now

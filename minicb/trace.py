@@ -31,7 +31,7 @@ class StepRecord:
     num_running: int
     num_swapped: int
     num_batched_tokens: int
-    fragmentation: int  # allocated token slots minus tokens stored, over the rows
+    fragmentation: int  # token capacity of the allocated blocks minus tokens stored, over the rows
     admitted: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     swapped_out: list[str] = field(default_factory=list)

@@ -143,7 +143,7 @@ class BlockView:
 
     step: int
     owners: dict[int, list[str]]  # block id -> requests whose block table holds it (2+: shared)
-    filled: dict[int, int]  # block id -> token slots holding computed K/V at the end of the step
+    filled: dict[int, int]  # block id -> tokens of computed K/V it holds at the end of the step
     cached: set[int]  # blocks nobody holds that still keep a prefix the prefix cache can reuse
 
 

@@ -98,7 +98,7 @@ def test_padded_rows_write_only_the_sink_and_do_not_change_real_rows():
     real = AttentionMetadata.build(tables, lens, [1, 1], 2, block_size, sink)
     # the same two rows plus three padded rows, as a graph bucket of 5 would see them
     padded = AttentionMetadata(
-        slot_mapping=torch.cat([real.slot_mapping, torch.full((3,), cache.sink_slot)]),
+        cache_locs=torch.cat([real.cache_locs, torch.full((3,), cache.sink_loc)]),
         block_tables=torch.cat([real.block_tables, torch.full((3, 2), sink)]),
         context_lens=torch.cat([real.context_lens, torch.ones(3, dtype=torch.long)]),
         query_start_loc=torch.arange(6), num_decodes=5,
@@ -146,10 +146,10 @@ def test_prefill_attention_over_a_cached_prefix_equals_dense_causal_attention(sl
     assert prefill_attention(q, k, v, k_cache, v_cache, meta, SCALE).shape == (n - 1, HEADS, HEAD_DIM)
 
 
-def test_metadata_build_slot_mapping_and_padding():
+def test_metadata_build_cache_locs_and_padding():
     meta = AttentionMetadata.build([[7], [2, 5]], [3, 6], [1, 3], 1, block_size=4, pad_block_id=9)
     # seq 0 decodes position 2 in block 7; seq 1 prefills positions 3, 4, 5 -> block 2 offset 3, block 5 offsets 0, 1
-    assert meta.slot_mapping.tolist() == [7 * 4 + 2, 2 * 4 + 3, 5 * 4 + 0, 5 * 4 + 1]
+    assert meta.cache_locs.tolist() == [7 * 4 + 2, 2 * 4 + 3, 5 * 4 + 0, 5 * 4 + 1]
     assert meta.block_tables.tolist() == [[7, 9], [2, 5]]
     assert meta.query_start_loc.tolist() == meta.query_start_loc_host == [0, 1, 4]
     assert (meta.num_seqs, meta.num_tokens) == (2, 4)
@@ -179,7 +179,7 @@ def test_kv_cache_shapes_sink_and_repr():
     cache = KVCache(small_config(), num_blocks=5, block_size=4, dtype=DT, device="cpu", num_cpu_blocks=3)
     assert len(cache.k_caches) == len(cache.v_caches) == 2
     assert cache.k_caches[1].shape == (6, 4, KV_HEADS, HEAD_DIM)  # 5 blocks + the sink
-    assert (cache.sink_block_id, cache.sink_slot) == (5, 20)
+    assert (cache.sink_block_id, cache.sink_loc) == (5, 20)
     assert cache.num_bytes == 2 * 2 * 6 * 4 * KV_HEADS * HEAD_DIM * 8
     text = repr(cache)
     assert "blocks=5 + 1 sink" in text and "block_size=4" in text and "float64" in text

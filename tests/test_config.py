@@ -18,7 +18,7 @@ from minicb.sim import SimRequest, simulate
 
 def test_defaults_are_valid_and_frozen():
     c = EngineConfig()
-    assert (c.block_size, c.max_num_seqs, c.batching, c.policy) == (16, 64, "continuous", "fifo")
+    assert (c.block_size, c.max_num_seqs, c.batching, c.scheduling_policy) == (16, 64, "continuous", "fcfs")
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.block_size = 8
 
@@ -52,7 +52,7 @@ def test_num_cpu_blocks_refuses_bool():
 
 @pytest.mark.parametrize("field,good,bad", [
     ("batching", ["continuous", "static"], ["dynamic", "Static", ""]),
-    ("policy", ["fifo", "sjf", "priority"], ["lifo", "FIFO", None]),
+    ("scheduling_policy", ["fcfs", "sjf", "priority"], ["fifo", "FCFS", None]),
     ("preemption_mode", ["recompute", "swap"], ["drop", None]),
     ("dtype", ["float32", "float64", "float16", "bfloat16"], ["fp32", "int8", None]),
 ])

@@ -97,7 +97,7 @@ def test_capture_order_buffers_and_routing(loaded):
     assert graphs.buckets == [1, 2, 4, 8, 16, 20]
     assert list(graphs.graphs) == [20, 16, 8, 4, 2, 1], "the largest bucket must be captured first"
     assert graphs.block_tables.shape == (20, 8)  # ceil(max_model_len 30 / block_size 4) columns
-    assert graphs.input_ids.shape == graphs.context_lens.shape == graphs.slot_mapping.shape == (20,)
+    assert graphs.input_ids.shape == graphs.context_lens.shape == graphs.cache_locs.shape == (20,)
     assert graphs.model is runner.model and graphs.kv_cache is runner.kv_cache  # shared, not copied
     assert [graphs.bucket_for(n) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
     assert "emulated" in repr(graphs)
@@ -191,7 +191,7 @@ def check_padded_rows_write_only_the_sink(runner, graphs):
         diff = ((kv.k != k0) | (kv.v != v0)).flatten(1, 2).flatten(2)  # (num_layers, num_slots, kv_heads * head_dim)
         changed = diff.any(-1).any(0).nonzero().flatten().tolist()
         live = [row.block_table[row.start // bs] * bs + row.start % bs for row in out.scheduled]
-        assert changed == sorted(live + [kv.sink_slot]), "padding wrote outside the sink (or a live row did not write)"
+        assert changed == sorted(live + [kv.sink_loc]), "padding wrote outside the sink (or a live row did not write)"
 
 
 def test_padded_rows_write_only_the_sink(loaded):
@@ -215,7 +215,7 @@ def generate(loaded, graph_batch_cap=None, **config):
     if graph_batch_cap is not None and config["use_cuda_graph"]:  # fewer buckets than slots: bigger batches eager
         llm.engine.runner.graph_runner = DecodeGraphRunner(llm.engine.runner, max_batch_size=graph_batch_cap)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
-    tokens = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0, "blocks leaked after the run"
     return tokens, llm.engine
 

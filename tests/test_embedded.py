@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minicb import LLM, SamplingParams
+from minicb.engine import chat_token_ids
 from minicb.loader import DEFAULT_MODEL, cache_dir, load_model
 
 pytestmark = pytest.mark.slow
@@ -30,15 +31,15 @@ def setup():
 def test_greedy_matches_transformers_float32(setup):
     loaded, hf = setup
     llm = LLM.from_loaded(loaded, max_num_seqs=8, max_num_batched_tokens=64)  # chunked, batched
-    prompts = [llm.chat_prompt(q) for q in QUESTIONS]
+    prompts = [chat_token_ids(llm.get_tokenizer(), [{"role": "user", "content": q}]) for q in QUESTIONS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0), use_tqdm=False)
     mismatches = []
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
                               eos_token_id=sorted(loaded.eos_token_ids), pad_token_id=2)[0, len(prompt):].tolist()
-        if out.token_ids != ref:
-            i = next(k for k, (a, b) in enumerate(zip(out.token_ids + [-1], ref + [-1])) if a != b)
+        if out.outputs[0].token_ids != ref:
+            i = next(k for k, (a, b) in enumerate(zip(out.outputs[0].token_ids + [-1], ref + [-1])) if a != b)
             with torch.no_grad():
                 logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1]
             top2 = logits.topk(2).values
@@ -47,4 +48,4 @@ def test_greedy_matches_transformers_float32(setup):
     for _, i, margin in mismatches:
         assert margin < 1e-3, f"diverged at token {i} although the top-2 margin was {margin:.2e}"
     assert len(mismatches) <= 1, f"{len(mismatches)} of {len(prompts)} prompts diverged: {mismatches}"
-    assert "Paris" in outs[0].text
+    assert "Paris" in outs[0].outputs[0].text

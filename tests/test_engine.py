@@ -24,12 +24,12 @@ def llm(loaded):
 def test_stream_matches_generate(llm):
     prompts = [[3, 4, 5], [7] * 11, [9, 8]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 2, 7)]
-    final = {o.request_id: o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)}
+    final = {o.request_id: o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)}
     pieces, finished = {}, set()
     for out in llm.stream(prompts, params):
         assert out.request_id not in finished, "a request yielded after it finished"
-        pieces.setdefault(out.request_id, []).extend(out.new_token_ids)
-        assert pieces[out.request_id] == out.token_ids
+        pieces.setdefault(out.request_id, []).extend(out.outputs[0].new_token_ids)
+        assert pieces[out.request_id] == out.outputs[0].token_ids
         if out.finished:
             finished.add(out.request_id)
     assert sorted(pieces.values()) == sorted(final.values())
@@ -39,11 +39,11 @@ def test_stream_matches_generate(llm):
 def test_outputs_in_input_order_and_metrics(llm):
     outs = llm.generate([[5] * 20, [6], [7] * 3], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
                                                     for n in (3, 9, 1)], use_tqdm=False)
-    assert [len(o.token_ids) for o in outs] == [3, 9, 1]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 1]
     assert [o.prompt_token_ids for o in outs] == [[5] * 20, [6], [7] * 3]
     for o in outs:
         m = o.metrics
-        assert o.finish_reason == "length"
+        assert o.outputs[0].finish_reason == "length"
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
 
 
@@ -55,7 +55,7 @@ def test_abort_in_any_state_frees_blocks(loaded):
     assert engine.scheduler.block_manager.num_used_blocks > 0
     out_a = engine.abort_request(a)  # running
     out_b = engine.abort_request(b)  # waiting
-    assert out_a.finish_reason == out_b.finish_reason == "abort"
+    assert out_a.outputs[0].finish_reason == out_b.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.block_manager.num_used_blocks == 0
     assert engine.abort_request("no-such-id") is None
@@ -63,12 +63,12 @@ def test_abort_in_any_state_frees_blocks(loaded):
 
 def test_seeded_sampling_independent_of_batch(llm):
     p = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=1234)
-    alone = llm.generate([[4, 5, 6]], p, use_tqdm=False)[0].token_ids
+    alone = llm.generate([[4, 5, 6]], p, use_tqdm=False)[0].outputs[0].token_ids
     others = [SamplingParams(max_tokens=5, temperature=1.0), SamplingParams(max_tokens=8, temperature=1.2, seed=7)]
     crowd = llm.generate([[9] * 13, [4, 5, 6], [2, 3]], [others[0], p, others[1]], use_tqdm=False)
-    assert crowd[1].token_ids == alone
+    assert crowd[1].outputs[0].token_ids == alone
     other_seed = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=99),
-                              use_tqdm=False)[0].token_ids
+                              use_tqdm=False)[0].outputs[0].token_ids
     assert other_seed != alone
 
 
@@ -98,7 +98,7 @@ def test_bad_requests_are_refused_and_the_rest_keeps_running(llm, prompt, params
         engine.add_request(prompt, params)
     while engine.has_unfinished_requests():
         outs = engine.step()
-    assert outs[-1].request_id == good and len(outs[-1].token_ids) == 6
+    assert outs[-1].request_id == good and len(outs[-1].outputs[0].token_ids) == 6
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -129,15 +129,15 @@ def test_prepacked_cpu_weights_change_nothing_but_rounding(tmp_path):
         llm = LLM.from_loaded(loaded32, block_size=4, num_blocks=64, prepack_cpu_weights=packed)
         layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj
         assert type(layer).__name__ == ("PackedLinear" if packed else "Linear")
-        runs[packed] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        runs[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert runs[True] == runs[False]
 
 
 def test_abort_inside_stream_ends_the_stream(llm):
     seen = []
     for out in llm.stream([[3, 4, 5], [6, 7]], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)):
-        seen.append((out.request_id, out.finish_reason))
-        if out.finish_reason is None:
+        seen.append((out.request_id, out.outputs[0].finish_reason))
+        if out.outputs[0].finish_reason is None:
             llm.engine.abort_request(out.request_id)  # e.g. a client that went away
     assert sorted(r for r, reason in seen if reason == "abort") == sorted({r for r, _ in seen})
     assert not llm.engine.has_unfinished_requests()
@@ -145,4 +145,4 @@ def test_abort_inside_stream_ends_the_stream(llm):
 
 def test_priorities_must_match_prompts(llm):
     with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
-        llm.generate([[5, 6, 7], [8, 9, 10]], GREEDY, priorities=[1], use_tqdm=False)
+        llm.generate([[5, 6, 7], [8, 9, 10]], GREEDY, priority=[1], use_tqdm=False)

@@ -41,7 +41,7 @@ def run(loaded, **config):
     assert not llm.engine.has_unfinished_requests()
     llm.engine.scheduler.block_manager.check_invariants()
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0, "blocks leaked after the run"
-    return [o.token_ids for o in outs], llm.engine.trace
+    return [o.outputs[0].token_ids for o in outs], llm.engine.trace
 
 
 CONFIGS = {
@@ -50,7 +50,7 @@ CONFIGS = {
     "block_size_3_no_prefix_cache": dict(block_size=3, num_blocks=400, enable_prefix_caching=False),
     "tiny_token_budget": dict(block_size=4, num_blocks=200, max_num_batched_tokens=5),
     "no_chunked_prefill": dict(block_size=8, num_blocks=100, enable_chunked_prefill=False, max_num_batched_tokens=64),
-    "two_slots_sjf": dict(block_size=4, num_blocks=100, max_num_seqs=2, policy="sjf"),
+    "two_slots_sjf": dict(block_size=4, num_blocks=100, max_num_seqs=2, scheduling_policy="sjf"),
     "static": dict(block_size=4, num_blocks=100, max_num_seqs=3, batching="static"),
 }
 
@@ -82,7 +82,7 @@ def test_prefix_cache_is_used_and_exact(model):
     a = llm.generate([PROMPTS[6]], params, use_tqdm=False)[0]
     params = SamplingParams(max_tokens=MAX_TOKENS[7], temperature=0.0, ignore_eos=True)
     b = llm.generate([PROMPTS[7]], params, use_tqdm=False)[0]
-    assert (a.token_ids, b.token_ids) == (refs[6], refs[7])
+    assert (a.outputs[0].token_ids, b.outputs[0].token_ids) == (refs[6], refs[7])
     first_row_b = next(r for s in llm.engine.trace for r in s.rows if r.request_id == b.request_id)
     assert first_row_b.start == 20  # 5 full blocks of the 21-token shared prefix were reused
 
@@ -92,12 +92,13 @@ def test_eos_stops_like_transformers(model):
     # Declare a token the model does produce as a stop token: both must stop right after it.
     llm = LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=100)
     free_run = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
-                            use_tqdm=False)[0].token_ids
+                            use_tqdm=False)[0].outputs[0].token_ids
     stop = free_run[7]
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop]),
                        use_tqdm=False)[0]
-    assert out.token_ids == free_run[:free_run.index(stop) + 1] and out.finish_reason == "stop"
+    assert out.outputs[0].token_ids == free_run[:free_run.index(stop) + 1] and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == stop  # a user stop token is the stop_reason (vLLM); EOS gives None
     with torch.no_grad():
         ref = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=20, do_sample=False, pad_token_id=0,
                           eos_token_id=stop)[0, 1:].tolist()
-    assert out.token_ids == ref
+    assert out.outputs[0].token_ids == ref

@@ -10,6 +10,7 @@ so a block handed out twice, a wrong prefix hit or a lost swap shows up as a wro
 Deterministic: derandomized, no example database.
 """
 
+import dataclasses
 import math
 
 from hypothesis import HealthCheck, event, given, settings
@@ -57,7 +58,7 @@ CONFIG_PARAMS = dict(
     max_num_seqs=st.sampled_from([4, 8, 2, 1, 3, 6]),
     budget=st.sampled_from([64, 128, 16, 8, 3, 2, 1]),
     batching=st.sampled_from(["continuous", "static"]),
-    policy=st.sampled_from(["fifo", "sjf", "priority"]),
+    policy=st.sampled_from(["fcfs", "sjf", "priority"]),
     mode=st.sampled_from(["recompute", "swap"]),
     chunked=st.booleans(),
     prefix_caching=st.booleans(),
@@ -78,7 +79,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                   prefix_caching, num_cpu_blocks, max_model_len):
         num_blocks = -(-blocks_for_tokens // block_size)
         self.config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=budget, batching=batching, policy=policy,
+                                   max_num_batched_tokens=budget, batching=batching, scheduling_policy=policy,
                                    preemption_mode=mode, enable_chunked_prefill=chunked,
                                    enable_prefix_caching=prefix_caching, num_cpu_blocks=num_cpu_blocks,
                                    max_model_len=max_model_len)
@@ -101,6 +102,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = list(PREFIXES[prefix][:cut]) + list(range(self.next_token, self.next_token + suffix))
         self.next_token += suffix
         rid = f"r{len(self.all)}"
+        if self.config.scheduling_policy != "priority" and priority < 3:
+            priority = 0  # priorities need scheduling_policy="priority"; a 3 here must be refused
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                       priority=priority, arrival_index=len(self.all))
         c, n = self.config, len(prompt)
@@ -113,6 +116,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             violated.append(f"num_blocks={c.num_blocks}")
         if not c.enable_chunked_prefill and n > c.max_num_batched_tokens:
             violated.append(f"max_num_batched_tokens is {c.max_num_batched_tokens}")
+        if priority != 0 and c.scheduling_policy != "priority":
+            violated.append("scheduling_policy")
         before = self.snapshot()
         try:
             self.sched.add_request(req)
@@ -325,7 +330,7 @@ def workloads(draw):
 
 @settings(max_examples=80, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=workloads(), policy=st.sampled_from(["fifo", "sjf", "priority"]),
+@given(reqs=workloads(), policy=st.sampled_from(["fcfs", "sjf", "priority"]),
        batching=st.sampled_from(["continuous", "static"]), mode=st.sampled_from(["recompute", "swap"]),
        chunked=st.booleans(), max_num_seqs=st.integers(1, 5), budget=st.sampled_from([4, 8, 16, 40, 64]))
 def test_timing_does_not_depend_on_block_size(reqs, policy, batching, mode, chunked, max_num_seqs, budget):
@@ -333,10 +338,12 @@ def test_timing_does_not_depend_on_block_size(reqs, policy, batching, mode, chun
     who runs in which step, with how many tokens, and when each request gets its tokens."""
     if not chunked:
         budget = max(budget, max(r.prompt_len for r in reqs))  # whole prompts must fit a step
+    if policy != "priority":  # priorities are refused under the other policies
+        reqs = [dataclasses.replace(r, priority=0) for r in reqs]
     results = []
     for block_size in (1, 4, 16):
         config = EngineConfig(block_size=block_size, num_blocks=4096, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=budget, batching=batching, policy=policy,
+                              max_num_batched_tokens=budget, batching=batching, scheduling_policy=policy,
                               preemption_mode=mode, enable_chunked_prefill=chunked, enable_prefix_caching=False)
         res = simulate(reqs, config, max_steps=5000)
         sampled = {}
@@ -370,6 +377,8 @@ def test_dense_workload_keeps_the_books(params, arrivals, pressure, aborts):
     alone), so that preemption and swapping are the rule, not the exception.
     `aborts`: (step, which request, between schedule and update?)."""
     arrivals = [(a, spec) for a, spec in arrivals if spec_tokens(spec)[0] > 0]  # empty prompts: machine test
+    if params["policy"] != "priority":  # refused priorities are the machine test's business too
+        arrivals = [(a, spec[:4] + (0,)) for a, spec in arrivals]
     if not arrivals:
         return
     bs = params["block_size"]

@@ -62,16 +62,16 @@ def test_sjf_lowers_mean_completion_step():
     # FIFO: 10 (steps 1-10), then 2 (11-12), then 3 (13-15): mean (10 + 12 + 15) / 3 = 12.33.
     # SJF:  2 (1-2), 3 (3-5), 10 (6-15):                      mean (2 + 5 + 15) / 3 = 7.33.
     reqs = [SimRequest(4, 10), SimRequest(4, 2), SimRequest(4, 3)]
-    fifo, sjf = Run(reqs, cfg(max_num_seqs=1)), Run(reqs, cfg(max_num_seqs=1, policy="sjf"))
-    assert fifo.timeline() == [(1, 10), (11, 12), (13, 15)]
+    fcfs, sjf = Run(reqs, cfg(max_num_seqs=1)), Run(reqs, cfg(max_num_seqs=1, scheduling_policy="sjf"))
+    assert fcfs.timeline() == [(1, 10), (11, 12), (13, 15)]
     assert sjf.timeline() == [(6, 15), (1, 2), (3, 5)]
-    assert mean_finish(fifo) == pytest.approx(37 / 3) and mean_finish(sjf) == pytest.approx(22 / 3)
-    assert fifo.res.num_steps == sjf.res.num_steps == 15  # same work, different order
+    assert mean_finish(fcfs) == pytest.approx(37 / 3) and mean_finish(sjf) == pytest.approx(22 / 3)
+    assert fcfs.res.num_steps == sjf.res.num_steps == 15  # same work, different order
 
 
 def test_sjf_breaks_ties_by_arrival():
     reqs = [SimRequest(4, 3), SimRequest(4, 2), SimRequest(4, 2)]
-    run = Run(reqs, cfg(max_num_seqs=1, policy="sjf"))
+    run = Run(reqs, cfg(max_num_seqs=1, scheduling_policy="sjf"))
     assert run.timeline() == [(5, 7), (1, 2), (3, 4)]
 
 
@@ -82,7 +82,7 @@ def test_late_arrival_joins_a_running_batch():
     assert run.trace[2].admitted == ["1"] and run.rows(3) == {0: "0", 1: "1"}
 
 
-def test_fifo_serves_by_arrival_not_by_input_position():
+def test_fcfs_serves_by_arrival_not_by_input_position():
     # One slot. B and C arrive in step 1, A (listed first) only in step 3. B runs 1-4; in step 5
     # FIFO must take C (waiting since step 1) before A (waiting since step 3): C 5-6, A 7-8.
     reqs = [SimRequest(4, 2, arrival_step=3, request_id="A"), SimRequest(4, 4, request_id="B"),
@@ -93,16 +93,17 @@ def test_fifo_serves_by_arrival_not_by_input_position():
 
 # ---------------------------------------------------------------------------------- priority preemption
 
-PRIO = [SimRequest(4, 10, priority=0), SimRequest(4, 10, priority=0), SimRequest(4, 3, arrival_step=3, priority=5)]
+# vLLM's rule: the LOWEST priority value is served first.
+PRIO = [SimRequest(4, 10, priority=5), SimRequest(4, 10, priority=5), SimRequest(4, 3, arrival_step=3, priority=0)]
 
 
 def test_priority_preempts_by_recompute():
-    # Two slots, r0 and r1 (priority 0) run from step 1. r2 (priority 5) arrives in step 3 with
+    # Two slots, r0 and r1 (priority 5) run from step 1. r2 (priority 0) arrives in step 3 with
     # the slots full: the lowest-ranked running request (r1: same priority as r0, later arrival)
     # is preempted, and r2 takes its slot 1: r2 runs 3-5. r1 held 2 tokens; its slot frees in
     # step 5, so it comes back in step 6 and re-prefills prompt + 2 tokens = 6 tokens (no prefix
     # cache here), samples its 3rd token in step 6 and its 10th in step 13.
-    run = Run(PRIO, cfg(max_num_seqs=2, block_size=4, policy="priority", enable_prefix_caching=False))
+    run = Run(PRIO, cfg(max_num_seqs=2, block_size=4, scheduling_policy="priority", enable_prefix_caching=False))
     assert run.timeline() == [(1, 10), (1, 13), (3, 5)]
     assert run.trace[2].preempted == ["1"] and run.trace[2].admitted == ["2"]
     assert run.rows(3) == {0: "0", 1: "2"} and run.rows(5) == {0: "0", 1: "2"}
@@ -114,7 +115,7 @@ def test_priority_preempts_by_recompute():
 def test_priority_recompute_reuses_the_cached_prompt():
     # The same, with prefix caching: r1's prompt (one full 4-token block) is still cached when it
     # returns, so it recomputes only its 2 generated tokens (positions 4 and 5).
-    run = Run(PRIO, cfg(max_num_seqs=2, block_size=4, policy="priority"))
+    run = Run(PRIO, cfg(max_num_seqs=2, block_size=4, scheduling_policy="priority"))
     assert run.timeline() == [(1, 10), (1, 13), (3, 5)]
     assert ("1", 4, 2, True) in run.row_shapes(6)
 
@@ -122,7 +123,7 @@ def test_priority_recompute_reuses_the_cached_prompt():
 def test_priority_preempts_by_swap():
     # As with recompute, but r1's blocks go to CPU in step 3 and come back in step 6, when r2's
     # slot frees: it resumes with a decode of its newest token (position 5) and ends in step 13.
-    run = Run(PRIO, cfg(max_num_seqs=2, block_size=4, policy="priority", preemption_mode="swap"))
+    run = Run(PRIO, cfg(max_num_seqs=2, block_size=4, scheduling_policy="priority", preemption_mode="swap"))
     assert run.timeline() == [(1, 10), (1, 13), (3, 5)]
     assert [(rec.step, rec.swapped_out, rec.swapped_in) for rec in run.trace if rec.swapped_out or rec.swapped_in] \
         == [(3, ["1"], []), (6, [], ["1"])]
@@ -130,9 +131,9 @@ def test_priority_preempts_by_swap():
     assert run.output_lengths() == {"0": 10, "1": 10, "2": 3}
 
 
-def test_priority_does_not_preempt_equal_or_higher():
+def test_priority_does_not_preempt_an_equal_priority():
     reqs = [SimRequest(4, 5, priority=3), SimRequest(4, 5, priority=3), SimRequest(4, 2, arrival_step=2, priority=3)]
-    run = Run(reqs, cfg(max_num_seqs=2, policy="priority"))
+    run = Run(reqs, cfg(max_num_seqs=2, scheduling_policy="priority"))
     assert run.timeline() == [(1, 5), (1, 5), (6, 7)]
     assert all(not rec.preempted and not rec.swapped_out for rec in run.trace)
 
@@ -209,10 +210,12 @@ def test_static_readmits_a_preempted_member(policy):
     # Static, 5 blocks of 4 tokens, r0 and r1 (prompt 4, 8 outputs) form the batch. As in
     # test_memory_pressure_recompute, r1 is preempted in step 6 and returns in step 9 (r0 ends in
     # step 8): r1 ends in step 11. r2 (2 outputs, arriving in step 2) sorts first under SJF (and
-    # under priority, where it ranks higher), but is not a member: it must wait for the batch to
-    # finish and run 12-13.
-    reqs = [SimRequest(4, 8, priority=1), SimRequest(4, 8, priority=1), SimRequest(4, 2, arrival_step=2, priority=2)]
-    run = Run(reqs, cfg(max_num_seqs=2, batching="static", policy=policy, block_size=4, num_blocks=5,
+    # under priority, where its lower value ranks first), but is not a member: it must wait for the
+    # batch to finish and run 12-13.
+    prio = (2, 2, 1) if policy == "priority" else (0, 0, 0)  # priorities need scheduling_policy="priority"
+    reqs = [SimRequest(4, 8, priority=prio[0]), SimRequest(4, 8, priority=prio[1]),
+            SimRequest(4, 2, arrival_step=2, priority=prio[2])]
+    run = Run(reqs, cfg(max_num_seqs=2, batching="static", scheduling_policy=policy, block_size=4, num_blocks=5,
                         enable_prefix_caching=False), max_steps=100)
     assert run.timeline() == [(1, 8), (1, 11), (12, 13)]
 
@@ -421,20 +424,20 @@ def test_abort_unknown_or_finished_returns_none():
 
 def test_readmitted_decode_row_comes_before_prefills():
     # Block size 1, prefix caching, priority. A0 (3 outputs) and B1 (5 outputs) run from step 1.
-    # H2 (priority 1) arrives in step 2 and preempts B1 (recompute), B1 having 3 tokens of which 2
-    # (its prompt) are cached. H2 and A0 finish in step 3. In step 4, G3 (priority 1) is admitted
+    # H2 (priority -1, ahead of 0) arrives in step 2 and preempts B1 (recompute), B1 having 3 tokens of which 2
+    # (its prompt) are cached. H2 and A0 finish in step 3. In step 4, G3 (priority -1) is admitted
     # first (a 3-token prefill), then B1, whose cache hit leaves only its newest token: a decode.
     # Decodes come first in a step's rows, so the batch must read [B1 decode, G3 prefill].
-    s = Scheduler(cfg(max_num_seqs=2, block_size=1, num_blocks=64, policy="priority"))
+    s = Scheduler(cfg(max_num_seqs=2, block_size=1, num_blocks=64, scheduling_policy="priority"))
     add = lambda rid, prompt, n, prio: s.add_request(Request(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True),
                                                              priority=prio, arrival_index=int(rid[-1])))
     add("A0", [1, 2], 3, 0)
     add("B1", [3, 4], 5, 0)
     step(s)
-    add("H2", [5, 6, 7], 2, 1)
+    add("H2", [5, 6, 7], 2, -1)
     assert step(s).preempted == ["B1"]
     step(s)
-    add("G3", [8, 9, 10], 2, 1)
+    add("G3", [8, 9, 10], 2, -1)
     out = step(s)
     assert sorted(out.admitted) == ["B1", "G3"]
     assert [(r.request.request_id, r.start, r.num_tokens, r.is_prefill) for r in out.scheduled] == \
@@ -464,8 +467,8 @@ def test_out_of_blocks_preempts_the_lowest_priority_not_the_newcomer(prefix_cach
     # short while the newcomer is still prefilling (4-token budget). The victim must be the
     # low-priority request (the policy's last), never the high-priority one, which finishes first.
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=4, block_size=4, num_blocks=8,
-                          policy="priority", enable_prefix_caching=prefix_caching)
-    res = simulate([SimRequest(12, 18, 0, priority=0), SimRequest(16, 2, 4, priority=5)], config)
+                          scheduling_policy="priority", enable_prefix_caching=prefix_caching)
+    res = simulate([SimRequest(12, 18, 0, priority=5), SimRequest(16, 2, 4, priority=0)], config)
     low, high = res.requests
     assert high.num_preemptions == 0
     assert high.finish_step < low.finish_step

@@ -20,6 +20,7 @@ from minicb import LLM, Engine, EngineConfig, SamplingParams
 from minicb.async_engine import AsyncEngine
 from minicb.loader import load_model, save_tiny_model
 from minicb.server import ServerThread, build_app
+from reference import add_word_tokenizer
 
 CONFIG = dict(dtype="float64", block_size=4, num_blocks=1024, max_num_seqs=8)
 MAX_LEN = 2048  # the tiny models' max_position_embeddings: long enough to outlive a disconnect
@@ -34,22 +35,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def add_word_tokenizer(path):
-    """Give a tiny model a tokenizer: words "w3".."w127" are token ids 3..127, plus a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<s>", "</s>", "<unk>", "system", "user", "assistant"] + [f"w{i}" for i in range(6, 128)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece()  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
-                          "{% if add_generation_prompt %}<s> assistant{% endif %}")
-    fast.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +96,7 @@ def chat_server(worded):
 def reference(loaded, prompts, params):
     """Token ids from the offline LLM on the same weights (float64: exact)."""
     llm = LLM.from_loaded(loaded, **{**CONFIG, "max_num_seqs": 1})
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def sse_events(response) -> list:

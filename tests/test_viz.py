@@ -40,8 +40,8 @@ def scenario(name):
         reqs.append(SimRequest(14, 4, arrival_step=14, prompt_token_ids=SYSTEM + [7, 7]))  # all others done
         return simulate(reqs, EngineConfig(max_num_seqs=4, block_size=4, num_blocks=16))
     if name == "priority":
-        reqs = [SimRequest(8, 30, priority=0) for _ in range(2)] + [SimRequest(8, 5, arrival_step=4, priority=5)]
-        return simulate(reqs, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=32, policy="priority"))
+        reqs = [SimRequest(8, 30, priority=5) for _ in range(2)] + [SimRequest(8, 5, arrival_step=4, priority=0)]
+        return simulate(reqs, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=32, scheduling_policy="priority"))
     if name == "chunked":
         reqs = [SimRequest(40, 6), SimRequest(4, 10), SimRequest(30, 3, arrival_step=3)]
         return simulate(reqs, EngineConfig(max_num_seqs=3, block_size=8, num_blocks=40, max_num_batched_tokens=16))
