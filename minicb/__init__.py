@@ -7,7 +7,7 @@ no torch; `LLM` and `Engine` (the torch side) are imported on first use, so that
 
 from .config import EngineConfig
 from .request import RequestOutput, RequestStatus
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestStatus"]
 __version__ = "0.1.0"

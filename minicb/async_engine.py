@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .metrics import tpot
 from .request import RequestOutput
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine pulls in torch; this module is imported by the CLI's --help
     from .engine import Engine

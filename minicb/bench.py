@@ -22,7 +22,7 @@ import time
 
 from .config import EngineConfig
 from .request import Request
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .trace import Trace
 

@@ -26,7 +26,7 @@ import torch
 from .engine import LLM
 from .loader import load_model
 from .request import Request
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, SchedulerOutput
 
 W2_MODEL = "Qwen/Qwen3-0.6B"  # a hub id (found in the local HF cache) or a local directory

@@ -20,7 +20,7 @@ import time
 from tqdm.auto import tqdm
 
 from .metrics import percentile
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 # ---------------------------------------------------------------------------------------------- W1
 W1_TOPICS = ["the sea", "gravity", "bread", "Rome", "a cat", "rain", "chess", "music", "trains", "the moon",

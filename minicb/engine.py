@@ -19,7 +19,7 @@ from .loader import LoadedModel, load_model
 from .model import CausalLM, prepack_for_cpu
 from .model_runner import ModelRunner
 from .request import CompletionOutput, Request, RequestOutput
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .trace import Trace
 

@@ -10,7 +10,7 @@ vLLM v1 uses, so prefill, chunked prefill, decode and recompute after preemption
 import enum
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .async_engine import AsyncEngine, QueueFullError, RequestStream
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 # OpenAI fields minicb does not implement: accepted only with their neutral value.
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": False, "top_logprobs": 0, "suffix": None,

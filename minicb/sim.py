@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .request import Request
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .trace import Trace
 

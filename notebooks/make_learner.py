@@ -1,4 +1,4 @@
-"""Write every learner notebook from its worked solution: `python notebooks/make_learner.py`.
+"""Write learner notebooks from their worked solutions: `python notebooks/make_learner.py [NAME ...]`.
 
 The worked solutions in `notebooks/solutions/` are the one source of each notebook. A learner's
 copy is the same notebook with each exercise cell replaced by its starter: a solution cell whose
@@ -53,8 +53,10 @@ def dump(nb: dict) -> str:
     return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
 
 
-def main() -> int:
-    for path in sorted(SOLUTIONS.glob("*.ipynb")):
+def main(names: list[str]) -> int:
+    """Rewrite the named notebooks (e.g. `03_scheduler`), or all of them when none is named."""
+    paths = [SOLUTIONS / f"{n.removesuffix('.ipynb')}.ipynb" for n in names] or sorted(SOLUTIONS.glob("*.ipynb"))
+    for path in paths:
         solution = json.loads(path.read_text())
         for cell in solution["cells"]:
             _strip(cell)
@@ -65,4 +67,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

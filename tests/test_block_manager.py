@@ -9,7 +9,7 @@ import pytest
 
 from minicb.block_manager import BlockManager
 from minicb.request import Request
-from minicb.sampling import SamplingParams
+from minicb.sampling_params import SamplingParams
 
 
 def make_req(rid, tokens, max_tokens=8):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minicb.sampler import Sampler
-from minicb.sampling import SamplingParams
+from minicb.sampling_params import SamplingParams
 
 LOGITS6 = [2.0, 1.5, 1.0, 0.5, 0.0, -1.0]  # six tokens, already sorted: token i has rank i
 

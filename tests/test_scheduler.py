@@ -12,7 +12,7 @@ import pytest
 
 from minicb.config import EngineConfig
 from minicb.request import Request, RequestStatus
-from minicb.sampling import SamplingParams
+from minicb.sampling_params import SamplingParams
 from minicb.scheduler import Scheduler
 from minicb.sim import SimRequest, simulate
 

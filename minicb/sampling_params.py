@@ -1,4 +1,4 @@
-"""SamplingParams: how one request turns logits into tokens, and when it stops.
+"""SamplingParams (vLLM's name, vLLM's module name): how one request turns logits into tokens, and when it stops.
 
 Pure data, validated on construction, so a bad value is refused when the request is made and
 never reaches the model. The torch code that applies these parameters is `minicb.sampler`.
