@@ -11,9 +11,11 @@ The engine loop drains its inbox between two steps, so a request that arrives wh
 joins the batch in the very next step: continuous batching (Orca, Yu et al., OSDI 2022) as seen
 from the network. The loop also keeps the serving metrics that GET /metrics shows.
 
-Two ways the engine protects itself from its users: a bounded waiting queue (a new request is
-refused with QueueFullError rather than piling up without limit), and aborts: a client that goes
-away aborts its request, which frees its slot and KV blocks at once.
+Three ways the engine protects itself from its users: a bound on the requests it holds (a request
+arriving when max_num_seqs + max_waiting are unfinished is refused with QueueFullError, HTTP 503,
+rather than piling up without limit); aborts (a client that goes away aborts its request, which
+frees its slot and KV blocks at once); and isolation (a request whose own inputs break a step is
+stopped alone by the engine, its client gets the error, every other stream goes on).
 """
 
 import asyncio
@@ -42,7 +44,7 @@ THROUGHPUT_WINDOW_S = 10.0  # tokens/s is averaged over the last few seconds
 
 
 class QueueFullError(Exception):
-    """The waiting queue holds max_waiting requests already: come back later (HTTP 503)."""
+    """The server already holds max_num_seqs + max_waiting unfinished requests: come back later (HTTP 503)."""
 
 
 class Histogram:
@@ -117,7 +119,7 @@ class AsyncEngine:
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.finished_total = {"stop": 0, "length": 0, "abort": 0}
+        self.finished_total = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self.rejected_total = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         self.gauges: dict[str, int] = {}
@@ -140,14 +142,14 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ called from the event loop
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestStream:
         """Hand a request to the engine loop. Raises ValueError (the engine refuses it, e.g. too long
         for max_model_len) or QueueFullError; in both cases nothing was queued."""
         if not self.is_running:
             raise RuntimeError("the engine loop is not running")
         stream = RequestStream(self, str(next(self._ids)))
         accepted = self._loop.create_future()
-        self._inbox.put(("add", stream, prompt_token_ids, params, accepted))
+        self._inbox.put(("add", stream, prompt_token_ids, params, priority, accepted))
         try:
             await accepted
         except asyncio.CancelledError:  # the client left before the engine answered
@@ -188,17 +190,22 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _add(self, stream: RequestStream, prompt_token_ids, params, accepted: asyncio.Future) -> None:
+    @property
+    def capacity(self) -> int:
+        """Unfinished requests the server holds at most: every batch slot, plus max_waiting."""
+        return self.engine.config.max_num_seqs + self.max_waiting
+
+    def _add(self, stream: RequestStream, prompt_token_ids, params, priority, accepted: asyncio.Future) -> None:
         error = None
-        num_waiting = len(self.engine.scheduler.waiting)
-        if num_waiting >= self.max_waiting:
-            error = QueueFullError(f"server overloaded: {num_waiting} requests are already waiting for a "
-                                   f"slot (max_waiting={self.max_waiting}); retry later")
+        held = len(self.engine.scheduler.requests)  # every unfinished request, running or not
+        if held >= self.capacity:
+            error = QueueFullError(f"server full: it holds {held} unfinished requests (max_num_seqs="
+                                   f"{self.engine.config.max_num_seqs} + max_waiting={self.max_waiting}); retry later")
             with self._lock:
                 self.rejected_total += 1
         else:
             try:
-                self.engine.add_request(prompt_token_ids, params, request_id=stream.request_id)
+                self.engine.add_request(prompt_token_ids, params, priority, request_id=stream.request_id)
                 self._streams[stream.request_id] = stream
             except ValueError as e:  # the scheduler refused it; its state is unchanged
                 error = e
@@ -221,11 +228,14 @@ class AsyncEngine:
         try:
             # Aborted requests also come back from step() without a token; _abort has
             # already delivered and counted those.
-            outputs = [o for o in self.engine.step() if o.outputs[0].new_token_ids]
-        except Exception as e:  # a bug or out of memory: fail the requests in flight, keep serving
+            outputs = self.engine.step()
+        except Exception as e:  # a bug outside the model (the engine stops failed requests itself)
             log.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
             self._fail_all(e)
             return
+        # Requests stopped for an error get it delivered; aborted ones were delivered by _abort.
+        failed = [o for o in outputs if o.error is not None]
+        outputs = [o for o in outputs if o.outputs[0].new_token_ids]
         now = time.perf_counter()
         trace = self.engine.trace
         rows = len(trace.steps[-1].rows) if self.engine.config.record_trace and trace.steps else len(outputs)
@@ -236,8 +246,13 @@ class AsyncEngine:
             self._recent.append((now, len(outputs)))
             while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
                 self._recent.popleft()
-        self._record_finished([o for o in outputs if o.finished])
+        self._record_finished([o for o in outputs if o.finished] + failed)
         deliveries = []
+        for out in failed:
+            stream = self._streams.pop(out.request_id, None)
+            if stream is not None:
+                deliveries.append((stream.queue, RuntimeError(f"this request failed in the engine and was "
+                                                              f"stopped: {out.error}")))
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -252,6 +267,8 @@ class AsyncEngine:
         failure = RuntimeError(f"the engine failed while running this request: {type(error).__name__}: {error}")
         for rid, stream in list(self._streams.items()):
             self.engine.abort_request(rid)
+            with self._lock:
+                self.finished_total["error"] += 1
             self._loop.call_soon_threadsafe(_deliver, [(stream.queue, failure)])
         self._streams.clear()
         for req in list(self.engine.scheduler.requests):  # anything left without a listener

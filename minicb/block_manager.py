@@ -82,8 +82,8 @@ class BlockManager:
         token is never taken from the cache and no write ever lands in a shared block."""
         if not self.enable_prefix_caching:
             return []
-        hits = []
-        for h in self._hashes(req, (req.num_tokens - 1) // self.block_size):
+        hits, num_full = [], (req.num_tokens - 1) // self.block_size
+        for h in self._hashes(req, num_full)[:num_full]:  # the chain may already run further
             block = self.cached.get(h)
             if block is None:
                 break

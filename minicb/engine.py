@@ -8,6 +8,7 @@ Everything a user sees (generate, stream, the HTTP server) is this loop called a
 """
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator
 
@@ -18,10 +19,12 @@ from .kv_cache import KVCache, kv_bytes_per_token
 from .loader import LoadedModel, load_model
 from .model import CausalLM, prepack_for_cpu
 from .model_runner import ModelRunner
-from .request import CompletionOutput, Request, RequestOutput
+from .request import CompletionOutput, Request, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .trace import Trace
+
+log = logging.getLogger("minicb.engine")
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20  # 512 MiB: ~11k tokens of SmolLM2-135M in float32
 
@@ -105,6 +108,14 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _fail(self, request_id: str, why: str) -> None:
+        """Stop one request whose own inputs broke this step; everything else keeps running."""
+        req = self.scheduler.abort_request(request_id, RequestStatus.FINISHED_ERROR)
+        if req is not None:
+            req.error = why
+            req.metrics.finish_time = time.perf_counter()
+            log.error("request %s failed and was stopped: %s", request_id, why)
+
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns a RequestOutput for every request that got a token, and for
@@ -115,8 +126,15 @@ class Engine:
             req = self.scheduler.requests[rid]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = t0
-        tokens = self.runner.execute(out)
-        touched = self.scheduler.update(out, tokens)
+        try:
+            tokens, errors = self.runner.execute(out)
+        except Exception as e:  # the forward pass itself failed: its rows cannot be told apart
+            log.exception("step %d failed; stopping the %d requests it ran", out.step, len(out.scheduled))
+            tokens = [None] * sum(row.do_sample for row in out.scheduled)
+            errors = {row.request.request_id: e for row in out.scheduled}
+        for rid, e in errors.items():  # those requests stop here; update() drops their tokens
+            self._fail(rid, f"{type(e).__name__}: {e}")
+        touched = self.scheduler.update(out, [0 if t is None else t for t in tokens])
         now = time.perf_counter()
         outputs = []
         for req in touched:
@@ -124,7 +142,10 @@ class Engine:
                 req.metrics.first_token_time = now
             if req.is_finished:
                 req.metrics.finish_time = now
-            outputs.append(self._output(req, [req.token_ids[-1]]))
+            try:
+                outputs.append(self._output(req, [req.token_ids[-1]]))
+            except Exception as e:  # e.g. its text cannot be decoded: it fails alone
+                self._fail(req.request_id, f"{type(e).__name__}: {e}")
         finished = self.scheduler.take_finished()
         got_token = {req.request_id for req in touched}
         outputs += [self._output(req, []) for req in finished if req.request_id not in got_token]
@@ -136,12 +157,12 @@ class Engine:
         """A snapshot of `req` for the user (copies: later steps never change it)."""
         out_ids = req.output_token_ids
         text = ""
-        if self.tokenizer is not None and (req.is_finished or self.detokenize_every_step):
+        if self.tokenizer is not None and req.error is None and (req.is_finished or self.detokenize_every_step):
             text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
         sample = CompletionOutput(index=0, text=text, token_ids=out_ids, finish_reason=req.finish_reason,
                                   stop_reason=req.stop_reason, new_token_ids=new_token_ids)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, [sample],
-                             req.is_finished, dataclasses.replace(req.metrics))
+                             req.is_finished, dataclasses.replace(req.metrics), req.error)
 
 
 def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:

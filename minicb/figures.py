@@ -70,10 +70,20 @@ def batch_throughput():
                       logx=True, logy=True)
 
 
+def _with_mean_50(xs):
+    """100 positive numbers scaled to integer lengths >= 1 that sum to exactly 5,000 (mean 50)."""
+    lengths = [max(1, round(x * 5000 / sum(xs))) for x in xs]
+    lengths[lengths.index(max(lengths))] += 5000 - sum(lengths)  # the rounding goes to the longest
+    return lengths
+
+
 def _hundred_requests():
+    """Notebook 00's workloads: the first four have the same mean (50), different spreads."""
     rng = random.Random(0)
-    return {"all 50": [50] * 100, "uniform 1..99": [rng.randint(1, 99) for _ in range(100)],
-            "exponential\nmean 50": [max(1, round(rng.expovariate(1 / 50))) for _ in range(100)],
+    uniform = list(range(1, 100)) + [50]
+    rng.shuffle(uniform)
+    return {"all 50": [50] * 100, "uniform 1..99": uniform,
+            "exponential\nmean 50": _with_mean_50([rng.expovariate(1) for _ in range(100)]),
             "1 in 10 is 275,\nrest 25": ([275] + [25] * 9) * 10, "1 in 10 is 50,\nrest 8": ([50] + [8] * 9) * 10}
 
 

@@ -53,8 +53,9 @@ class ModelRunner:
         return as_tensor(input_ids), as_tensor(positions), meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int]:
-        """Run one step. Returns the sampled token of every row with `do_sample`, in row order."""
+    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], dict[str, Exception]]:
+        """Run one step. Returns the sampled token of every row with `do_sample`, in row order, and
+        the requests whose own sampling failed (request id -> error; their token is None)."""
         # Swaps first: a block swapped out this step may be handed to another request below.
         if out.blocks_to_swap_out:
             self.kv_cache.swap_out(out.blocks_to_swap_out)
@@ -62,7 +63,7 @@ class ModelRunner:
             self.kv_cache.swap_in(out.blocks_to_swap_in)
         self.last_graph_bucket = None
         if not out.scheduled:
-            return []
+            return [], {}
         rows = out.scheduled
         if self.graph_runner is not None and self.graph_runner.can_run(out):  # decode-only, fits a bucket
             logits = self.graph_runner.run(out)  # (num_rows, vocab), every row samples
@@ -72,14 +73,32 @@ class ModelRunner:
             input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
             hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (num_tokens, hidden)
             if not sample_rows:
-                return []
+                return [], {}
             last_token = meta.query_start_loc[1:] - 1  # (num_seqs,) index of each row's last token
             if len(sample_rows) < len(rows):
                 last_token = last_token[torch.tensor(sample_rows, device=self.device)]
             logits = self.model.compute_logits(hidden[last_token])  # (num_sampled, vocab)
-        requests = [rows[i].request for i in sample_rows]
-        for req in requests:  # a seeded request keeps one generator for its whole life
-            if req.generator is None and req.params.seed is not None:
-                req.generator = self.sampler.generator_for(req.params.seed, self.device)
-        tokens = self.sampler(logits, [r.params for r in requests], [r.generator for r in requests])
-        return tokens.tolist()
+        return self.sample(logits, [rows[i].request for i in sample_rows])
+
+    def _generator(self, req):
+        """A seeded request keeps one generator for its whole life (made on its first sample)."""
+        if req.generator is None and req.params.seed is not None:
+            req.generator = self.sampler.generator_for(req.params.seed, self.device)
+        return req.generator
+
+    def sample(self, logits, requests) -> tuple[list[int | None], dict[str, Exception]]:
+        """One token per row, all rows in one call. If that call fails, the rows are sampled one by
+        one, so a request whose own settings break the sampler fails alone (its token is None) and
+        every other request of the batch still gets its token."""
+        try:
+            generators = [self._generator(r) for r in requests]
+            return self.sampler(logits, [r.params for r in requests], generators).tolist(), {}
+        except Exception:
+            tokens, errors = [], {}
+            for i, req in enumerate(requests):
+                try:
+                    tokens.append(self.sampler(logits[i:i + 1], [req.params], [self._generator(req)]).item())
+                except Exception as e:
+                    tokens.append(None)
+                    errors[req.request_id] = e
+            return tokens, errors

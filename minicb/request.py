@@ -20,10 +20,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # produced EOS or a stop token
     FINISHED_LENGTH = "length"  # reached max_tokens (add_request keeps prompt + max_tokens <= max_model_len)
     FINISHED_ABORTED = "abort"  # aborted by the user (or a disconnected client)
+    FINISHED_ERROR = "error"  # its own inputs broke a step (sampling, detokenizing): it alone is stopped
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Request:
         self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self.stop_token_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())
         self.stop_reason: int | str | None = None  # the user's stop token that ended it (vLLM's stop_reason)
+        self.error: str | None = None  # why it finished with "error"
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks (prefix cache)
         self.num_preemptions = 0
         self.admitted_step: int | None = None
@@ -129,7 +131,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when requested
     logprobs: list | None = None  # per token: {token id: logprob}, when requested
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (| "error") once finished
     stop_reason: int | str | None = None  # the stop token id (or string) that ended it; None for EOS
     new_token_ids: list[int] = field(default_factory=list)  # minicb: the tokens added in this step
 
@@ -151,6 +153,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)  # minicb: wall-clock times
+    error: str | None = None  # minicb: what went wrong when the finish reason is "error"
 
     def __repr__(self):
         outs = ", ".join(f"#{o.index}: {len(o.token_ids)} tokens {o.text[:40]!r}"

@@ -107,8 +107,9 @@ class Scheduler:
         self.requests[req.request_id] = req
         bisect.insort(self.waiting, req, key=self.policy_key)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Remove a request in any state and free all it holds. Returns it, or None if unknown."""
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        """Remove a request in any state and free all it holds. Returns it, or None if unknown.
+        `status` is FINISHED_ABORTED (the user asked) or FINISHED_ERROR (its own inputs failed)."""
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -116,7 +117,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status == RequestStatus.SWAPPED:
             self.swapped.remove(req)
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._finish(req, status)
         return req
 
     def has_unfinished_requests(self) -> bool:

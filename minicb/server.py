@@ -5,13 +5,21 @@
          -d '{"messages": [{"role": "user", "content": "Hi!"}], "stream": true}'
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both stream server-sent
-events ending in `data: [DONE]` when "stream": true), GET /health, GET /metrics (Prometheus).
-Every request is checked here (JSON, field types, sampling parameters, prompt length) and a bad
-one is answered 400 with an OpenAI-style error body before it reaches the engine; a full waiting
-queue answers 503. Accepted requests all go to the one engine loop (async_engine.py), so
-concurrent clients share decode steps: continuous batching, live.
-Extensions beyond the OpenAI API: prompts as token-id lists (for models without a tokenizer),
-`top_k`, `ignore_eos`, `stop_token_ids`, and `token_ids` (the generated ids) in every choice.
+events ending in `data: [DONE]` when "stream": true), GET /health, GET /metrics (Prometheus text).
+/openapi.json documents every body, field and status (the models are in protocol.py).
+
+Bad input is stopped at the edge, before it reaches the engine, because the engine's steps are
+shared: one request that broke a step would fail every stream in flight. In order:
+  1. a body over --max-request-bytes gets 413 before it is read whole (BodySizeLimit);
+  2. JSON is parsed here: nesting deeper than MAX_JSON_DEPTH or a string that is not valid Unicode
+     (a lone surrogate such as "\ud800") gets 400;
+  3. the pydantic models check every field's type and range (400 naming the field, never 422);
+  4. tokenization and chat templating run in a worker thread, so a huge prompt costs its own
+     sender and nobody else: the event loop keeps serving other clients meanwhile;
+  5. the engine refuses what only it can judge (prompt + max_tokens > max_model_len): 400.
+A request that still fails inside a step is stopped alone (engine.py, Engine._fail) and its
+client gets an error; everyone else keeps streaming. A full server answers 503 with Retry-After.
+Every error body has OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
 import asyncio
@@ -21,102 +29,148 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from .async_engine import AsyncEngine, QueueFullError, RequestStream
+from .engine import chat_token_ids
+from .protocol import (UNSUPPORTED, ChatCompletionRequest, ChatCompletionResponse,
+                       CompletionRequest, CompletionResponse, ErrorResponse, ModelList, SamplingFields)
 from .sampling_params import SamplingParams
 
-# OpenAI fields minicb does not implement: accepted only with their neutral value.
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": False, "top_logprobs": 0, "suffix": None,
-               "presence_penalty": 0, "frequency_penalty": 0, "stop": None, "tools": None, "logit_bias": None}
+MAX_JSON_DEPTH = 16  # the deepest real body (chat content parts) is 5 levels
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # ~1M tokens of text: far beyond any prompt a model here can take
+ERROR_STATUSES = {400: "invalid input (OpenAI error shape, naming the field)", 404: "model not served here",
+                  413: "body larger than --max-request-bytes", 500: "the request failed inside the engine",
+                  503: "server full (Retry-After) or engine not running"}
+ERRORS = {code: {"model": ErrorResponse, "description": why} for code, why in ERROR_STATUSES.items()}
+STREAM = {"text/event-stream": {"schema": {  # one server-sent event
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk (a CompletionResponse, or a "
+                            "ChatCompletionChunk), an error object, or `[DONE]`, the last event"},
+                   "event": {"type": "string"}}}}}
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+class APIError(HTTPException):
+    """An error a client should see, in OpenAI's shape. An HTTPException, so that FastAPI passes it
+    through untouched even when it is raised while the body is being parsed."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict | None = None):
+        super().__init__(status, message, headers)
+        self.message, self.param, self.kind = message, param, kind
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-        headers = {"Retry-After": "1"} if self.status == 503 else None
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status_code}}
+        headers = dict(self.headers or {})
+        if self.status_code == 503:
+            headers["Retry-After"] = "1"
+        return JSONResponse(body, status_code=self.status_code, headers=headers or None)
 
 
-# ---------------------------------------------------------------------- request validation
-def field(body: dict, name: str, kinds: tuple, default=None):
-    """body[name] checked against JSON types (a bool is never a number here); missing/null -> default."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        what = "a number" if float in kinds else {int: "an integer", str: "a string", bool: "a boolean",
-                                                  list: "an array", dict: "an object"}[kinds[0]]
-        raise APIError(400, f"'{name}' must be {what}, got {json.dumps(value)[:50]}", name)
-    return value
+# ---------------------------------------------------------------------- parsing and validation
+def check_json(value, depth: int = 1, field: str | None = None) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and strings that are not valid Unicode.
+    `field`: the top-level field being checked, named in the error."""
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(400, f"JSON is nested more than {MAX_JSON_DEPTH} levels deep", field)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, which JSON's \\uXXXX escapes can spell
+            raise APIError(400, f"'{field or 'body'}' is not valid Unicode: {e.reason} at position {e.start}",
+                           field) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_json(k, depth + 1, field)
+            check_json(v, depth + 1, k if depth == 1 else field)
+    elif isinstance(value, list):
+        for v in value:
+            check_json(v, depth + 1, field)
 
 
-def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
-    for name, neutral in UNSUPPORTED.items():
-        if body.get(name) not in (None, neutral, [], {}):
-            raise APIError(400, f"'{name}' is not supported by minicb (only {json.dumps(neutral)})", name)
-    max_tokens = field(body, "max_completion_tokens", (int,))  # the chat API's newer name
-    if max_tokens is None:
-        max_tokens = field(body, "max_tokens", (int,), default_max_tokens)
-    try:
-        return SamplingParams(max_tokens=max_tokens, temperature=field(body, "temperature", (int, float), 1.0),
-                              top_p=field(body, "top_p", (int, float), 1.0), top_k=field(body, "top_k", (int,), 0),
-                              seed=field(body, "seed", (int,)), ignore_eos=field(body, "ignore_eos", (bool,), False),
-                              stop_token_ids=field(body, "stop_token_ids", (list,)))
-    except ValueError as e:  # SamplingParams names the field: "top_p must be in (0, 1], got 2"
-        raise APIError(400, str(e), str(e).split()[0]) from None
+class BodySizeLimit:
+    """ASGI middleware: 413 for a body over `max_bytes`, before it is read whole. A declared
+    Content-Length over the limit is answered at once, without reading a byte; a body sent in chunks
+    is cut off as soon as the bytes received pass the limit (the handler's read raises APIError).
+    (FastAPI's own max_body_size does the same, but answers in plain text, not OpenAI's shape.)"""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = APIError(413, f"request body is larger than {self.max_bytes} bytes (--max-request-bytes)")
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await too_large.response()(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise too_large
+            return message
+
+        await self.app(scope, counted, send)
 
 
-def completion_prompt(body: dict, engine) -> list[int]:
-    """`prompt` as text, as token ids, or as a list holding one of those (one prompt per request)."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise APIError(400, "'prompt' is required (a string or a list of token ids)", "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if not isinstance(prompt, (str, list)) or isinstance(prompt, list) and not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise APIError(400, "'prompt' must be a string or a list of integer token ids (one prompt per request)",
-                       "prompt")
-    if not prompt:
-        raise APIError(400, "'prompt' is empty: at least one token is needed", "prompt")
-    try:
-        return engine.tokenize(prompt)
-    except ValueError as e:
-        raise APIError(400, str(e), "prompt") from None
+class CheckedJSONRequest(Request):
+    async def json(self):
+        if not hasattr(self, "_json"):
+            try:
+                body = json.loads(await self.body())
+            except RecursionError:  # Python's parser gives up near 1,000 levels
+                raise APIError(400, f"JSON is nested more than {MAX_JSON_DEPTH} levels deep") from None
+            check_json(body)
+            self._json = body
+        return self._json
 
 
-def chat_prompt(body: dict, engine) -> list[int]:
-    """`messages` rendered by the tokenizer's chat template, ending where the assistant replies."""
-    messages = field(body, "messages", (list,))
-    if not messages:
-        raise APIError(400, "'messages' is required: a non-empty list of {role, content} objects", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a string 'role'", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
-        clean.append({"role": m["role"], "content": content})
-    tokenizer = engine.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, f"model {engine.model_name!r} has no chat template: use /v1/completions", "messages")
-    try:
-        return list(tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    except Exception as e:  # templates may refuse some conversations (e.g. roles that do not alternate)
-        raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
+class CheckedJSONRoute(APIRoute):
+    """A route whose body goes through CheckedJSONRequest.json() before FastAPI validates it."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def checked(request: Request):
+            return await handler(CheckedJSONRequest(request.scope, request.receive))
+
+        return checked
+
+
+TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "constrained", "literal", "function")
+PROMPT_FORMS = "a non-empty string, a list of integer token ids, or a list holding one of those (one prompt)"
+
+
+def validation_error(e: RequestValidationError) -> APIError:
+    """FastAPI's 422 becomes OpenAI's 400, naming the first field at fault."""
+    err = e.errors()[0]
+    # pydantic puts union members' type names in the location ("prompt", "str"): keep field names only
+    loc = [f"[{x}]" if isinstance(x, int) else x for x in err.get("loc", ())
+           if x != "body" and not (isinstance(x, str) and x.split("-")[0].split("[")[0] in TYPE_TAGS)]
+    field = loc[0] if loc else None
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+    if not loc and err.get("type") in ("model_attributes_type", "dict_type"):
+        return APIError(400, "request body must be a JSON object (Content-Type: application/json)")
+    neutral = UNSUPPORTED.get(field)
+    if neutral is not None and not err["type"].endswith("_type"):  # right type, a value minicb lacks
+        return APIError(400, f"'{field}' is not supported by minicb (only {neutral})", field)
+    if field == "prompt" and err["type"] != "missing":
+        return APIError(400, f"'prompt' must be {PROMPT_FORMS}", "prompt")
+    got = json.dumps(err.get("input"))[:50] if err.get("input") is not None else "nothing"
+    path = "".join(x if x.startswith("[") or i == 0 else f".{x}" for i, x in enumerate(loc)) or "body"
+    if err["type"] == "missing":
+        return APIError(400, f"'{path}' is required", field)
+    return APIError(400, f"'{path}': {err['msg']} (got {got})", field)
 
 
 def room_for_reply(engine, num_prompt_tokens: int) -> int:
@@ -127,6 +181,13 @@ def room_for_reply(engine, num_prompt_tokens: int) -> int:
         raise APIError(400, f"prompt has {num_prompt_tokens} tokens, which leaves no room for a reply "
                        f"(max_model_len is {c.max_model_len})", "messages")
     return room
+
+
+def to_sampling_params(body: SamplingFields, default_max_tokens: int) -> SamplingParams:
+    try:
+        return body.sampling_params(default_max_tokens)
+    except ValueError as e:  # SamplingParams names the field: "top_p must be in (0, 1], got 2"
+        raise APIError(400, str(e), str(e).split()[0]) from None
 
 
 # ---------------------------------------------------------------------- response bodies
@@ -166,7 +227,8 @@ async def last_output(stream: RequestStream):
 
 
 # ---------------------------------------------------------------------- the app
-def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -> FastAPI:
+def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     engine = async_engine.engine
     model_name = served_model_name or engine.model_name
 
@@ -175,77 +237,93 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
         yield
         async_engine.stop()
 
-    app = FastAPI(title="minicb", lifespan=lifespan)
+    app = FastAPI(title="minicb", summary="OpenAI-compatible server of minicb, a continuous-batching engine",
+                  lifespan=lifespan, strict_content_type=False)  # a body sent without Content-Type is read as JSON too
+    app.router.route_class = CheckedJSONRoute
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
-    @app.exception_handler(APIError)
-    async def api_error(request, e: APIError):
-        return e.response()
-
-    @app.exception_handler(HTTPException)  # unknown route, wrong method: same error body
+    @app.exception_handler(HTTPException)  # APIError, unknown route, wrong method, 413: one error body
     async def http_error(request, e: HTTPException):
-        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").response()
+        if isinstance(e, APIError):
+            return e.response()
+        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                        headers=e.headers).response()  # keeps Allow on a 405
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        return validation_error(e).response()
 
     @app.exception_handler(Exception)  # a bug answers 500 with a body; the server keeps serving
     async def internal_error(request, e: Exception):
         return APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error").response()
 
-    @app.get("/health")
-    async def health():
+    @app.get("/health", responses={503: ERRORS[503]})
+    async def health() -> dict[str, str]:
         if not async_engine.is_running:
             raise APIError(503, "the engine loop is not running", kind="server_error")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
     async def metrics():
         return PlainTextResponse(async_engine.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models():
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "minicb",
-                "max_model_len": engine.config.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [{"id": model_name, "max_model_len": engine.config.max_model_len}]}
 
-    async def parse(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
-        requested = field(body, "model", (str,))
-        if requested is not None and requested != model_name:
-            raise APIError(404, f"model {requested!r} is not served here; this server serves {model_name!r}",
+    def check_model(body: SamplingFields) -> None:
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves {model_name!r}",
                            "model", kind="not_found_error")
-        return body
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await parse(request)
-        prompt_ids = completion_prompt(body, engine)
-        return await generate(request, body, prompt_ids, sampling_params(body, 16), chat=False)
+    def tokenize_prompt(prompt) -> list[int]:
+        try:
+            return engine.tokenize(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await parse(request)
-        prompt_ids = chat_prompt(body, engine)  # a reply may run until the context is full:
-        params = sampling_params(body, room_for_reply(engine, len(prompt_ids)))
+    def tokenize_chat(body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tokenizer = engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, f"model {engine.model_name!r} has no chat template: use /v1/completions", "messages")
+        try:
+            return chat_token_ids(tokenizer, messages)
+        except Exception as e:  # templates may refuse some conversations (e.g. roles that do not alternate)
+            raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={200: {"content": STREAM}, **ERRORS})
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        prompt_ids = await run_in_threadpool(tokenize_prompt, body.one_prompt())  # off the event loop
+        return await generate(request, body, prompt_ids, to_sampling_params(body, 16), chat=False)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={200: {"content": STREAM}, **ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body)
+        prompt_ids = await run_in_threadpool(tokenize_chat, body)  # off the event loop
+        params = to_sampling_params(body, room_for_reply(engine, len(prompt_ids)))
         return await generate(request, body, prompt_ids, params, chat=True)
 
-    async def generate(request: Request, body: dict, prompt_ids: list[int], params: SamplingParams, chat: bool):
-        stream_mode = field(body, "stream", (bool,), False)
-        include_usage = bool(field(body, "stream_options", (dict,), {}).get("include_usage"))
+    async def generate(request: Request, body: SamplingFields, prompt_ids: list[int], params: SamplingParams,
+                       chat: bool):
         try:
-            stream = await async_engine.submit(prompt_ids, params)
-        except ValueError as e:  # prompt + max_tokens too long for max_model_len or the KV cache
+            stream = await async_engine.submit(prompt_ids, params, body.priority)
+        except ValueError as e:  # too long for max_model_len or the KV cache; a priority without the policy
             raise APIError(400, str(e)) from None
         except QueueFullError as e:
             raise APIError(503, str(e), kind="overloaded") from None
         except RuntimeError as e:  # the engine loop is not running
             raise APIError(503, str(e), kind="server_error") from None
-        kind = ("chat.completion.chunk" if stream_mode else "chat.completion") if chat else "text_completion"
+        kind = ("chat.completion.chunk" if body.stream else "chat.completion") if chat else "text_completion"
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}", "object": kind,
                 "created": int(time.time()), "model": model_name}
-        if stream_mode:
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(sse(stream, head, chat, include_usage), media_type="text/event-stream")
         # Not streaming: wait for the last output, but abort if the client hangs up meanwhile.
         result = asyncio.ensure_future(last_output(stream))
@@ -257,7 +335,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
             return JSONResponse({}, status_code=499)  # nobody is listening any more
         try:
             out = result.result()
-        except RuntimeError as e:  # the engine failed during this request
+        except RuntimeError as e:  # this request failed inside the engine
             raise APIError(500, str(e), kind="server_error") from None
         sample = out.outputs[0]
         return {**head, "choices": [choice(chat, False, sample.text, out, sample.token_ids)], "usage": usage(out)}
@@ -273,8 +351,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
                 delta = text_delta(sent, out.outputs[0].text, out.finished)
                 sent += delta
                 yield event({**head, "choices": [choice(chat, True, delta, out, out.outputs[0].new_token_ids)]})
-        except RuntimeError as e:  # the engine failed: tell the client inside the stream
+        except RuntimeError as e:  # this request failed inside the engine: tell the client in the stream
             yield event({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
+            out = None
         finally:  # the client hung up (this generator was cancelled or closed): free its blocks now
             stream.abort()
         if include_usage and out is not None:
@@ -316,7 +395,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the model's)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-waiting", type=int, default=64, help="waiting requests before new ones get 503")
+    parser.add_argument("--max-waiting", type=int, default=64,
+                        help="requests held beyond max_num_seqs before new ones get 503 (default 64)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help=f"larger request bodies get 413 before they are read (default {DEFAULT_MAX_REQUEST_BYTES})")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (batch slots)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
     parser.add_argument("--block-size", type=int, default=16)
@@ -335,7 +417,8 @@ def main(args) -> None:
                           num_blocks=args.num_blocks, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     engine = Engine(config)
-    app = build_app(AsyncEngine(engine, args.max_waiting, args.trace_steps), args.served_model_name)
+    app = build_app(AsyncEngine(engine, args.max_waiting, args.trace_steps), args.served_model_name,
+                    args.max_request_bytes)
     print(f"minicb: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1 "
           f"({engine.config.num_blocks} KV blocks of {engine.config.block_size}, "
           f"{engine.config.max_num_seqs} slots, max_waiting={args.max_waiting})", flush=True)

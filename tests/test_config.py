@@ -109,9 +109,14 @@ def test_replace_validates_and_max_blocks_per_seq():
     (dict(top_p=1.01), "top_p"),
     (dict(top_p=-0.5), "top_p"),
     (dict(top_p=float("nan")), "top_p"),
-    (dict(top_k=-1), "top_k"),
+    (dict(top_k=-2), "top_k"),  # -1 and 0 both turn it off, as in vLLM
     (dict(top_k=2.0), "top_k"),
+    (dict(top_k=2**31), "top_k"),
     (dict(seed=1.5), "seed"),
+    (dict(seed=2**64), "seed"),  # beyond what torch.Generator accepts
+    (dict(seed=-(2**63) - 1), "seed"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(stop_token_ids=[2**63]), "stop_token_ids"),
     (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
     (dict(stop_token_ids=[1.0]), "stop_token_ids"),
     (dict(stop_token_ids=["a"]), "stop_token_ids"),

@@ -105,7 +105,7 @@ def test_bad_requests_are_refused_and_the_rest_keeps_running(llm, prompt, params
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
+    (dict(top_k=-2), "top_k"),
     (dict(max_tokens=0), "max_tokens"),
 ])
 def test_invalid_sampling_values(kwargs, match):

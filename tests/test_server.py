@@ -8,23 +8,15 @@ Every loop below is bounded in count and time.
 
 import asyncio
 import json
-import socket
-import time
-from contextlib import ExitStack, contextmanager
 
 import httpx
 import pytest
 import torch
 
-from minicb import LLM, Engine, EngineConfig, SamplingParams
-from minicb.async_engine import AsyncEngine
+from minicb import SamplingParams
 from minicb.loader import load_model, save_tiny_model
-from minicb.server import ServerThread, build_app
 from reference import add_word_tokenizer
-
-CONFIG = dict(dtype="float64", block_size=4, num_blocks=1024, max_num_seqs=8)
-MAX_LEN = 2048  # the tiny models' max_position_embeddings: long enough to outlive a disconnect
-NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # no Nagle delay between headers and body
+from serving import CONFIG, MAX_LEN, NODELAY, Served, reference, serve, sse_events
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,38 +41,6 @@ def worded(tmp_path_factory):  # the same weights, with a tokenizer and a chat t
     return load_model(add_word_tokenizer(path), torch.float64)
 
 
-class Served:
-    """A running server on loopback, its engine, and a sync httpx client."""
-
-    def __init__(self, stack: ExitStack, loaded, max_waiting=64, trace_steps=5000, **config):
-        self.engine = Engine(EngineConfig(model=loaded.name, **{**CONFIG, **config}), loaded)
-        self.async_engine = AsyncEngine(self.engine, max_waiting=max_waiting, trace_steps=trace_steps)
-        self.url = stack.enter_context(ServerThread(build_app(self.async_engine)))
-        self.http = stack.enter_context(httpx.Client(base_url=self.url, timeout=30,
-                                                     transport=httpx.HTTPTransport(socket_options=NODELAY)))
-        self.name = loaded.name
-
-    def metrics(self) -> dict[str, float]:
-        lines = self.http.get("/metrics").text.splitlines()
-        return {k.removeprefix("minicb_"): float(v) for k, v in (l.rsplit(" ", 1) for l in lines if l[:1] != "#")}
-
-    def wait_idle(self, timeout=10.0) -> dict[str, float]:
-        """Metrics once nothing runs or waits and every KV block is free (fails after `timeout`)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            if m["num_requests_running"] == m["num_requests_waiting"] == m["kv_blocks_used"] == 0:
-                return m
-            assert time.monotonic() < deadline, f"server not idle after {timeout} s: {m}"
-            time.sleep(0.02)
-
-
-@contextmanager
-def serve(loaded, **kw):
-    with ExitStack() as stack:
-        yield Served(stack, loaded, **kw)
-
-
 @pytest.fixture(scope="module")
 def server(plain):
     with serve(plain) as s:
@@ -91,19 +51,6 @@ def server(plain):
 def chat_server(worded):
     with serve(worded) as s:
         yield s
-
-
-def reference(loaded, prompts, params):
-    """Token ids from the offline LLM on the same weights (float64: exact)."""
-    llm = LLM.from_loaded(loaded, **{**CONFIG, "max_num_seqs": 1})
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def sse_events(response) -> list:
-    """The `data:` payloads of a server-sent-event stream (the last one must be [DONE])."""
-    events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
 
 
 def stream_completion(s: Served, path: str, body: dict) -> list:
@@ -215,35 +162,53 @@ BAD_COMPLETIONS = [  # (body, status, words in the message, param)
     (b'{"prompt": [1, 2', 400, "not valid JSON", None),
     (b"[1, 2]", 400, "must be a JSON object", None),
     ({"max_tokens": 4}, 400, "'prompt' is required", "prompt"),
-    ({"prompt": 5}, 400, "'prompt' must be a string or a list of integer token ids", "prompt"),
+    ({"prompt": 5}, 400, "'prompt' must be a non-empty string, a list of integer token ids", "prompt"),
     ({"prompt": [3, "a"]}, 400, "'prompt' must be", "prompt"),
     ({"prompt": [3, True]}, 400, "'prompt' must be", "prompt"),
-    ({"prompt": []}, 400, "'prompt' is empty", "prompt"),
+    ({"prompt": []}, 400, "'prompt' must be", "prompt"),
+    ({"prompt": [[3], [4]]}, 400, "'prompt' must be", "prompt"),  # several prompts: not yet
     ({"prompt": "some text"}, 400, "has no tokenizer", "prompt"),
     ({"prompt": [3, 500]}, 400, "token ids must be integers in [0, 128)", "prompt"),
-    ({"prompt": [3], "max_tokens": "8"}, 400, "'max_tokens' must be an integer", "max_tokens"),
-    ({"prompt": [3], "max_tokens": 8.5}, 400, "'max_tokens' must be an integer", "max_tokens"),
-    ({"prompt": [3], "max_tokens": 0}, 400, "max_tokens must be a positive integer", "max_tokens"),
-    ({"prompt": [3], "max_tokens": -5}, 400, "max_tokens must be a positive integer", "max_tokens"),
+    ({"prompt": [3], "max_tokens": "8"}, 400, "'max_tokens': Input should be a valid integer", "max_tokens"),
+    ({"prompt": [3], "max_tokens": 8.5}, 400, "'max_tokens': Input should be a valid integer", "max_tokens"),
+    ({"prompt": [3], "max_tokens": 0}, 400, "greater than or equal to 1", "max_tokens"),
+    ({"prompt": [3], "max_tokens": -5}, 400, "greater than or equal to 1", "max_tokens"),
     ({"prompt": [3], "max_tokens": 10**6}, 400, "exceeds max_model_len 2048", None),
     ({"prompt": [3] * (MAX_LEN + 5)}, 400, "exceeds max_model_len 2048", None),
-    ({"prompt": [3], "temperature": -0.5}, 400, "temperature must be >= 0", "temperature"),
-    ({"prompt": [3], "temperature": "hot"}, 400, "'temperature' must be a number", "temperature"),
-    ({"prompt": [3], "top_p": 0}, 400, "top_p must be in (0, 1]", "top_p"),
-    ({"prompt": [3], "top_p": 1.5}, 400, "top_p must be in (0, 1]", "top_p"),
-    ({"prompt": [3], "top_k": -1}, 400, "top_k must be an integer >= 0", "top_k"),
-    ({"prompt": [3], "top_k": 2.5}, 400, "'top_k' must be an integer", "top_k"),
-    ({"prompt": [3], "seed": "x"}, 400, "'seed' must be an integer", "seed"),
-    ({"prompt": [3], "stream": "yes"}, 400, "'stream' must be a boolean", "stream"),
+    ({"prompt": [3], "temperature": -0.5}, 400, "'temperature': Input should be greater than or equal to 0", "temperature"),
+    ({"prompt": [3], "temperature": "hot"}, 400, "'temperature': Input should be a valid number", "temperature"),
+    ({"prompt": [3], "top_p": 0}, 400, "'top_p': Input should be greater than 0", "top_p"),
+    ({"prompt": [3], "top_p": 1.5}, 400, "'top_p': Input should be less than or equal to 1", "top_p"),
+    ({"prompt": [3], "top_k": -2}, 400, "'top_k': Input should be greater than or equal to -1", "top_k"),
+    ({"prompt": [3], "top_k": 2.5}, 400, "'top_k': Input should be a valid integer", "top_k"),
+    ({"prompt": [3], "seed": "x"}, 400, "'seed': Input should be a valid integer", "seed"),
+    ({"prompt": [3], "stream": "yes"}, 400, "'stream': Input should be a valid boolean", "stream"),
     ({"prompt": [3], "n": 2}, 400, "'n' is not supported", "n"),
     ({"prompt": [3], "stop": ["\n"]}, 400, "'stop' is not supported", "stop"),
+    ({"prompt": [3], "priority": 3}, 400, "scheduling_policy='priority'", None),
     ({"prompt": [3], "model": "gpt-4"}, 404, "is not served here", "model"),
+    # The fuzzing report's findings (issue 21): each a clear 400, nothing reaches the engine.
+    ({"prompt": [3], "max_tokens": 2, "top_k": 2**63}, 400, "'top_k': Input should be less than or equal to", "top_k"),
+    ({"prompt": [3], "max_tokens": 2, "seed": 2**64}, 400, "'seed': Input should be less than or equal to", "seed"),
+    ({"prompt": [3], "max_tokens": 2, "seed": -2**63 - 1}, 400, "'seed': Input should be greater than", "seed"),
+    (b'{"prompt": "\\ud800", "max_tokens": 2}', 400, "'prompt' is not valid Unicode", "prompt"),
+    (b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "nested more than 16 levels", None),
+    ({"prompt": [3], "best_of": {}}, 400, "'best_of': Input should be a valid integer", "best_of"),
+    ({"prompt": [3], "n": True}, 400, "'n': Input should be a valid integer", "n"),
+    ({"prompt": [3], "echo": 0}, 400, "'echo': Input should be a valid boolean", "echo"),
+    ({"prompt": [3], "echo": True}, 400, "'echo' is not supported", "echo"),
+    ({"prompt": [3], "stream_options": {"include_usage": "yes"}}, 400, "'stream_options.include_usage'",
+     "stream_options"),
+    (b'{"prompt": [3], "temperature": NaN}', 400, "'temperature': Input should be a finite number", "temperature"),
 ]
 BAD_CHAT = [
     ({"max_tokens": 4}, 400, "'messages' is required", "messages"),
-    ({"messages": "hi"}, 400, "'messages' must be an array", "messages"),
-    ({"messages": [{"content": "hi"}]}, 400, "messages[0] must be an object with a string 'role'", "messages"),
-    ({"messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content must be a string", "messages"),
+    ({"messages": "hi"}, 400, "'messages': Input should be a valid list", "messages"),
+    ({"messages": []}, 400, "'messages': List should have at least 1 item", "messages"),
+    ({"messages": [{"content": "hi"}]}, 400, "'messages[0].role' is required", "messages"),
+    ({"messages": [{"role": "user", "content": 7}]}, 400, "'messages[0].content'", "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
+     "'tools' is not supported", "tools"),
     ({"messages": [{"role": "user", "content": "hi"}]}, 400, "has no chat template", "messages"),
 ]
 
@@ -269,6 +234,7 @@ def test_bad_input_is_refused_and_running_requests_survive(server, chat_server, 
             check_error(server.http.post("/v1/chat/completions", json=body), status, words, param)
         check_error(server.http.get("/v1/nowhere"), 404, "Not Found", None)
         check_error(server.http.get("/v1/completions"), 405, "Method Not Allowed", None)
+        assert server.http.delete("/v1/models").headers["allow"] == "GET"  # HTTP requires Allow on a 405
         assert server.metrics()["num_requests_running"] == 1, "the survivor should still be running"
         rest = [line for line in lines if line.startswith("data: ")]
     chunks = [json.loads(line[6:]) for line in [first] + rest[:-1]]
@@ -277,7 +243,7 @@ def test_bad_input_is_refused_and_running_requests_survive(server, chat_server, 
     server.wait_idle()
     # Chat-specific refusals on the model that has a chat template.
     too_long = " ".join(["w50"] * MAX_LEN)
-    for body, words in (({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+    for body, words in (({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "'messages[0].content"),
                         ({"messages": [{"role": "user", "content": too_long}]}, "leaves no room for a reply")):
         check_error(chat_server.http.post("/v1/chat/completions", json=body), 400, words, "messages")
 
@@ -345,7 +311,7 @@ def test_openai_client(server, chat_server, plain):
     out = client.completions.create(model=server.name, prompt=[5, 6, 7], max_tokens=8, temperature=0)
     want = reference(plain, [[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0))[0]
     assert out.choices[0].token_ids == want and out.usage.completion_tokens == len(want)
-    with pytest.raises(openai.BadRequestError, match="max_tokens must be a positive integer"):
+    with pytest.raises(openai.BadRequestError, match="max_tokens.: Input should be greater than or equal to 1"):
         client.completions.create(model=server.name, prompt=[5], max_tokens=0)
     chat = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     messages = [{"role": "user", "content": "w60 w61 w62"}]
