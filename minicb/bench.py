@@ -136,7 +136,7 @@ def add_arguments(parser) -> None:
                         help="W3: numbers of running requests (default: 64 128 256 512)")
     parser.add_argument("--steps", type=int, default=200, help="W3: timed steps per size")
     parser.add_argument("--competitors", nargs="+", default=None,
-                        help="W1: a subset of hf_static hf_continuous minicb_static minicb_continuous")
+                        help="W1: a subset of hf_static hf_continuous minicb_static minicb_continuous_16 minicb_continuous")
     parser.add_argument("--cooldown", type=float, default=20.0,
                         help="W1: idle seconds before each competitor after the first, so that none runs on a "
                              "machine still slowed by the previous one (default 20)")

@@ -5,7 +5,11 @@ and EOS is ignored so every system produces exactly the same number of tokens. T
 run one after another in the same process on the same prompts:
   1. transformers `generate` in static batches of 16 (left padding; a batch runs to its longest member)
   2. transformers' own continuous batching (`init_continuous_batching`, per-request max_new_tokens)
-  3. minicb, batching="static"        4. minicb, batching="continuous" (the default configuration)
+  3. minicb, batching="static", 16 slots
+  4. minicb, batching="continuous", 16 slots: the same batch size, so 4 vs 3 is the scheduler's own gain
+  5. minicb, batching="continuous", the default 64 slots: 5 vs 4 is the batch size paging makes room for.
+     (With all 64 requests arriving at once and 64 slots, nobody waits for a slot: continuous and
+     static batching would run the very same schedule. Comparing 5 with 3 mixes both effects.)
 Throughput is output tokens / wall time from first submission to last completion. The roofline
 compares what was achieved with the machine's measured float32 GEMM speed, for 2 x params FLOPs
 per generated token.
@@ -235,7 +239,7 @@ def decode_step_roofline(loaded, batch: int = 64, context: int = 100, steps: int
     return dict(batch=batch, context=context, step_ms=1000 * step, gflops=flops / step / 1e9)
 
 
-COMPETITORS = ("hf_static", "hf_continuous", "minicb_static", "minicb_continuous")
+COMPETITORS = ("hf_static", "hf_continuous", "minicb_static", "minicb_continuous_16", "minicb_continuous")
 
 
 def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 16, cooldown_s: float = 20.0,
@@ -265,6 +269,8 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
         "hf_continuous": lambda: run_hf_continuous(hf, prompts, outs),
         "minicb_static": lambda: run_minicb(loaded, prompts, outs, "static", max_num_seqs=static_slots,
                                             **minicb_config),
+        "minicb_continuous_16": lambda: run_minicb(loaded, prompts, outs, "continuous", max_num_seqs=static_slots,
+                                                   **minicb_config),
         "minicb_continuous": lambda: run_minicb(loaded, prompts, outs, "continuous", **minicb_config),
     }
     results = []
@@ -272,7 +278,7 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
         if name in competitors:
             if results:
                 time.sleep(cooldown_s)
-            results.append(runs[name]())
+            results.append(runs[name]() | {"key": name})
     del hf
     time.sleep(cooldown_s)
     peaks = gemm_peaks()
@@ -297,9 +303,13 @@ def print_w1(report: dict, print_fn=print) -> None:
         util = f"{r['slot_utilization']:.0%}" if "slot_utilization" in r else "-"
         print_fn(f"{r['name']:<42}{r['throughput']:8.1f}{r['wall_s']:8.1f}{ms(r['ttft_p50'])}ms{ms(r['ttft_p99'])}"
                  f"{ms(r['tpot_p50'])}ms{ms(r['tpot_p99'])}{r['peak_mem_mib']:8.0f}{util:>7}")
-    best = report["results"][-1]
-    for r in report["results"][:-1]:
-        print_fn(f"  {best['name']} / {r['name']}: {best['throughput'] / r['throughput']:.1f}x")
+    by_key = {r.get("key"): r for r in report["results"]}
+    for a, b, what in (("minicb_continuous_16", "minicb_static", "continuous vs static batching, both 16 slots"),
+                       ("minicb_continuous", "minicb_continuous_16", "64 slots vs 16, both continuous"),
+                       ("minicb_continuous", "hf_continuous", "minicb vs transformers, continuous batching"),
+                       ("minicb_continuous", "hf_static", "minicb vs transformers' static generate")):
+        if a in by_key and b in by_key:
+            print_fn(f"  {what}: {by_key[a]['throughput'] / by_key[b]['throughput']:.1f}x")
     kernels = ", ".join(f"{k} {v:.0f}" for k, v in report.get("gemm_peaks", {}).items())
     print_fn(f"roofline: GEMM peak {report['gemm_peak_gflops']:.0f} GFLOP/s (float32, the best of: {kernels}), "
              f"{report['flops_per_token'] / 1e6:.0f} MFLOP per token (2 x params)")
@@ -319,7 +329,7 @@ def w1_figure(report: dict):
     rs = report["results"]
     names = [r["name"].replace(" (", "\n(") for r in rs]
     y = list(range(len(rs)))
-    colors = ["#9e9e9e", "#616161", "#64b5f6", "#1565c0"][-len(rs):]
+    colors = ["#9e9e9e", "#616161", "#64b5f6", "#1e88e5", "#0d47a1"][-len(rs):]
     fig, axes = plt.subplots(1, 3, figsize=(14, 0.9 * len(rs) + 1.8), sharey=True)
     axes[0].barh(y, [r["throughput"] for r in rs], color=colors)
     for i, r in enumerate(rs):

@@ -89,3 +89,22 @@ def test_w1_table_names_both_peaks(capsys):
     assert "GEMM peak 400 GFLOP/s (float32, the best of: torch.matmul 190, oneDNN packed 400)" in out
     assert "= 30% of the GEMM peak (63% of torch.matmul)" in out
     assert "24%" in out  # slot utilization
+
+
+def test_w1_table_separates_the_schedulers_gain_from_the_batch_size(capsys):
+    """Continuous vs static at the same 16 slots is the scheduler's gain; 64 vs 16 slots is the batch."""
+    from minicb.bench_w1 import print_w1
+
+    def row(key, name, tok_s):
+        return dict(key=key, name=name, throughput=tok_s, wall_s=10.0, ttft_p50=1.0, ttft_p99=1.5, tpot_p50=0.1,
+                    tpot_p99=0.2, peak_mem_mib=5, achieved_gflops=1.0, roofline_fraction=0.1)
+
+    rows = [row("minicb_static", "minicb static (16 slots)", 100.0),
+            row("minicb_continuous_16", "minicb continuous (16 slots)", 250.0),
+            row("minicb_continuous", "minicb continuous (64 slots)", 300.0)]
+    print_w1(dict(machine="m", num_requests=64, prompt_tokens=1, output_tokens=1, gemm_peak_gflops=1.0,
+                  gemm_peaks={"torch.matmul": 1.0}, flops_per_token=1.0, results=rows,
+                  decode_step=dict(batch=64, context=100, step_ms=1.0, gflops=1.0, gemm_peak_gflops=1.0)))
+    out = capsys.readouterr().out
+    assert "continuous vs static batching, both 16 slots: 2.5x" in out
+    assert "64 slots vs 16, both continuous: 1.2x" in out
