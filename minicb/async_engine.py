@@ -259,9 +259,9 @@ class AsyncEngine:
                 deliveries.append((stream.queue, out))
                 if out.finished:
                     del self._streams[out.request_id]
+        self._publish_gauges()  # first, so that a client reading /metrics after its last token sees it freed
         if deliveries:
             self._loop.call_soon_threadsafe(_deliver, deliveries)
-        self._publish_gauges()
 
     def _fail_all(self, error: Exception) -> None:
         failure = RuntimeError(f"the engine failed while running this request: {type(error).__name__}: {error}")

@@ -124,7 +124,7 @@ class Scheduler:
         return bool(self.requests)
 
     # ------------------------------------------------------------------ slots and preemption
-    def _admit(self, req: Request) -> None:
+    def _take_slot(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         req.slot = heapq.heappop(self.free_slots)
         self.running.append(req)
@@ -192,105 +192,121 @@ class Scheduler:
         return ScheduledRequest(req, start, num_tokens, not is_decode, done,
                                 self.block_manager.block_tables[req.request_id], req.slot)
 
-    def schedule(self) -> SchedulerOutput:
-        self.step_count += 1
-        c, bm = self.config, self.block_manager
-        out = SchedulerOutput(step=self.step_count)
-        budget = c.max_num_batched_tokens
-        decodes: list[ScheduledRequest] = []
-        prefills: list[ScheduledRequest] = []
-        if c.scheduling_policy == "priority" and c.batching == "continuous":
-            self._preempt_for_priority(out)
+    def _mark_admitted(self, req: Request, out: SchedulerOutput) -> None:
+        """"Admitted" means one thing: holding a slot, the request is given its first tokens (again,
+        after a recompute). A static batch's members take their slots together but may be given
+        their first tokens in a later step; they are admitted then."""
+        out.admitted.append(req.request_id)
+        if req.admitted_step is None:
+            req.admitted_step = out.step
 
-        # 1. Running requests: decodes first, then prompts part-way through, each in policy order.
-        # When a request needs a block and none is free, the running request the policy ranks
-        # last is preempted (if it already got a row this step, the row is taken back).
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch: who runs, with how many tokens. Three phases, in this order,
+        each taking tokens from the one budget of `max_num_batched_tokens`:
+          1. running requests (decodes first, then prompts part-way through), preempting when
+             blocks run out;
+          2. swapped requests coming back;
+          3. waiting requests admitted by policy.
+        The batch lists decode rows first, then prefill rows (the model runner relies on it)."""
+        self.step_count += 1
+        out = SchedulerOutput(step=self.step_count)
+        if self.config.scheduling_policy == "priority" and self.config.batching == "continuous":
+            self._preempt_for_priority(out)
+        budget = self.config.max_num_batched_tokens
+        num_preempted = len(out.preempted) + len(out.swapped_out)  # by priority, just above
+        rows, budget = self._schedule_running(out, budget)
+        if len(out.preempted) + len(out.swapped_out) == num_preempted:  # blocks ran out: nobody new comes in
+            swapped_rows, budget = self._schedule_swapped(out, budget)
+            waiting_rows, budget = self._schedule_waiting(out, budget)
+            rows += swapped_rows + waiting_rows
+        out.scheduled = [r for r in rows if not r.is_prefill] + [r for r in rows if r.is_prefill]
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[list[ScheduledRequest], int]:
+        """Phase 1: give every running request its next tokens, in policy order, decodes first.
+        When one needs a block and none is free, the running request the policy ranks last is
+        preempted (if it already got a row this step, the row and its tokens are taken back)."""
+        bm, rows = self.block_manager, {}
         ranked = sorted(self.running, key=self.policy_key)
-        rows: dict[str, ScheduledRequest] = {}
-        out_of_blocks = False
-        for req in [r for r in ranked if r.num_tokens - r.num_computed_tokens == 1] + \
-                   [r for r in ranked if r.num_tokens - r.num_computed_tokens > 1]:
+        decoding = [r for r in ranked if r.num_tokens - r.num_computed_tokens == 1]
+        for req in decoding + [r for r in ranked if r not in decoding]:
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            if num_new == 0:
+            if req.status != RequestStatus.RUNNING or num_new == 0:  # preempted above, or must wait
                 continue
             while not bm.can_allocate(req.request_id, req.num_computed_tokens + num_new):
-                out_of_blocks = True
                 victim = self._lowest_ranked_running()
                 taken_back = rows.pop(victim.request_id, None)
-                if taken_back is not None:
-                    budget += taken_back.num_tokens
+                budget += taken_back.num_tokens if taken_back else 0
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
                 bm.allocate(req, req.num_computed_tokens + num_new)
                 rows[req.request_id] = self._row(req, num_new)
-                if req.admitted_step is None:  # a static-batch member getting its first tokens
-                    req.admitted_step = out.step
-                    out.admitted.append(req.request_id)
+                if req.admitted_step is None:  # a static batch member given its first tokens
+                    self._mark_admitted(req, out)
                 budget -= num_new
-        for row in rows.values():
-            (prefills if row.is_prefill else decodes).append(row)
+        return list(rows.values()), budget
 
-        # 2. Swapped requests come back, unless a waiting request ranks before them.
-        key = self.policy_key
-        # (A static batch's swapped members always come back first: nobody else may join it.)
-        while (self.swapped and not out_of_blocks and budget > 0 and len(self.running) < c.max_num_seqs
-               and not (c.batching == "continuous" and self.waiting and key(self.waiting[0]) < key(self.swapped[0]))):
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> tuple[list[ScheduledRequest], int]:
+        """Phase 2: swapped requests come back while they fit, unless a waiting request ranks
+        before them (a static batch's swapped members always come first: nobody else may join)."""
+        c, bm, rows = self.config, self.block_manager, []
+        while self.swapped and budget > 0 and len(self.running) < c.max_num_seqs:
             req = self.swapped[0]
+            if c.batching == "continuous" and self.waiting and self.policy_key(self.waiting[0]) < self.policy_key(req):
+                break
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
             if num_new == 0 or not bm.can_swap_in(req.request_id, req.num_computed_tokens + num_new):
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in(req)
             bm.allocate(req, req.num_computed_tokens + num_new)
-            self._admit(req)
+            self._take_slot(req)
             out.swapped_in.append(req.request_id)
-            row = self._row(req, num_new)
-            (prefills if row.is_prefill else decodes).append(row)
+            rows.append(self._row(req, num_new))
             budget -= num_new
+        return rows, budget
 
-        # 3. Admit waiting requests in policy order. Static batching forms a new batch only when
-        # the previous one is done; until then only its own (preempted) members come back.
-        forming = True
-        if c.batching == "static":
-            self.static_batch &= self.requests.keys()
-            forming = not self.static_batch
-        while self.waiting and not out_of_blocks and len(self.running) < c.max_num_seqs:
-            if forming:
-                req = self.waiting[0]
-            else:
-                req = next((r for r in self.waiting if r.request_id in self.static_batch), None)
-                if req is None:
-                    break
-            if self.swapped and (not forming or key(self.swapped[0]) < key(req)):
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> tuple[list[ScheduledRequest], int]:
+        """Phase 3: admit waiting requests in policy order while a slot, the blocks and the budget
+        allow. Static batching forms a new batch only when the previous one is done (its members
+        take their slots at once and may get their first tokens in later steps); until then only
+        the batch's own preempted members come back."""
+        c, bm, rows = self.config, self.block_manager, []
+        forming = self._forming_batch()
+        while self.waiting and len(self.running) < c.max_num_seqs:
+            req = self.waiting[0] if forming else next(
+                (r for r in self.waiting if r.request_id in self.static_batch), None)
+            if req is None or (self.swapped and (not forming or self.policy_key(self.swapped[0]) < self.policy_key(req))):
                 break  # a swapped request comes first: it waits for room, and so does everyone behind it
             hits, computed, num_new = self._admission(req, budget)
             if num_new == 0 and c.batching == "continuous":
-                break  # static batching admits the whole batch now and prefills in later steps
+                break
             if not bm.can_allocate(req.request_id, computed + num_new, hits):
                 break
             self.waiting.remove(req)
             bm.allocate(req, computed + num_new, hits)
             req.num_computed_tokens = computed
-            self._admit(req)
+            self._take_slot(req)
             if c.batching == "static":
                 self.static_batch.add(req.request_id)
             if num_new:  # a recomputed request whose prefix is all cached may need just a decode
-                if req.admitted_step is None:  # admitted = first given tokens (static members may wait)
-                    req.admitted_step = out.step
-                out.admitted.append(req.request_id)
-                row = self._row(req, num_new)
-                (prefills if row.is_prefill else decodes).append(row)
+                rows.append(self._row(req, num_new))
+                self._mark_admitted(req, out)
                 budget -= num_new
+        return rows, budget
 
-        out.scheduled = decodes + prefills
-        out.num_batched_tokens = c.max_num_batched_tokens - budget
-        return out
+    def _forming_batch(self) -> bool:
+        """May new requests join? Always with continuous batching; with static batching only once
+        every member of the previous batch has finished (until then its preempted members return)."""
+        if self.config.batching == "continuous":
+            return True
+        self.static_batch &= self.requests.keys()
+        return not self.static_batch
 
     # ------------------------------------------------------------------ after the model ran
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
