@@ -66,6 +66,7 @@ def cmd_demo(args):
 
 def cmd_generate(args):
     from minicb import LLM, SamplingParams
+    from minicb.engine import chat_token_ids, text_delta
 
     # Validate before the model loads, so a bad value fails in a second, not after the load.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -77,11 +78,10 @@ def cmd_generate(args):
         shown = ""
         for out in llm.stream(prompts, params):
             # Print the growth of the decoded text, not token by token: a character may span tokens.
-            text = out.outputs[0].text
-            if text.startswith(shown) and (out.finished or not text.endswith("\ufffd")):
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
+            delta = text_delta(shown, out.outputs[0].text, out.finished)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+            shown += delta
         print()
         return
     for q, out in zip(args.prompts, llm.generate(prompts, params)):
@@ -109,15 +109,19 @@ def main(argv=None):
     p.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
     p.set_defaults(func=cmd_generate)
 
-    # These three own their options: each module has add_arguments(parser) and main(args).
+    # These three own their options: each module has add_arguments(parser) and main(args). Only the
+    # chosen command's module is imported, so `generate` never loads the server or matplotlib.
+    chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
     for name, module_name, help_text in (
-            ("bench", "bench", "benchmark workloads w1 (CPU), w2 (GPU), w3 (scheduler overhead)"),
-            ("serve", "server", "OpenAI-compatible HTTP server with streaming"),
-            ("figures", "figures", "regenerate every figure in figures/")):
-        module = importlib.import_module(f"minicb.{module_name}")
-        p = sub.add_parser(name, help=help_text, description=module.__doc__)
-        module.add_arguments(p)
-        p.set_defaults(func=module.main)
+            ("bench", "minicb.bench.cli", "benchmark workloads w1 (CPU), w2 (GPU), w3 (scheduler overhead)"),
+            ("serve", "minicb.serve.cli", "OpenAI-compatible HTTP server with streaming"),
+            ("figures", "minicb.viz.figures", "regenerate every figure in figures/")):
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            p.description = module.__doc__
+            module.add_arguments(p)
+            p.set_defaults(func=module.main)
 
     args = parser.parse_args(argv)
     try:

@@ -20,6 +20,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .config import cdiv
+
+
+def cache_locations(block_tables, context_lens, query_lens, block_size: int) -> list[int]:
+    """Where each new token's K/V goes: position p of a sequence lives in block table[p // block_size]
+    at offset p % block_size, i.e. at cache location block_id * block_size + offset. The new tokens
+    of a sequence are its last query_len ones."""
+    return [table[pos // block_size] * block_size + pos % block_size
+            for table, ctx, qlen in zip(block_tables, context_lens, query_lens) for pos in range(ctx - qlen, ctx)]
+
+
+def pad_tables(block_tables, width: int, pad_block_id: int) -> list[list[int]]:
+    """Block tables as one rectangle of `width` columns, padded with the sink block (reads nothing real)."""
+    return [t + [pad_block_id] * (width - len(t)) for t in block_tables]
+
 
 @dataclass
 class AttentionMetadata:
@@ -60,17 +75,15 @@ class AttentionMetadata:
             raise ValueError("block_tables, context_lens and query_lens must have one entry per sequence")
         if any(q != 1 for q in query_lens[:num_decodes]):
             raise ValueError(f"the first num_decodes={num_decodes} sequences must have query_len 1")
-        locs, starts = [], [0]
+        starts = [0]
         for table, ctx, qlen in zip(block_tables, context_lens, query_lens):
             if not 1 <= qlen <= ctx:
                 raise ValueError(f"query_len {qlen} must be between 1 and context_len {ctx}")
             if len(table) * block_size < ctx:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold context_len {ctx}")
-            for pos in range(ctx - qlen, ctx):  # absolute positions of the new tokens
-                locs.append(table[pos // block_size] * block_size + pos % block_size)
             starts.append(starts[-1] + qlen)
-        width = max((len(t) for t in block_tables), default=0)
-        padded = [t + [pad_block_id] * (width - len(t)) for t in block_tables]
+        locs = cache_locations(block_tables, context_lens, query_lens, block_size)
+        padded = pad_tables(block_tables, max((len(t) for t in block_tables), default=0), pad_block_id)
 
         def as_tensor(x):
             return torch.tensor(x, dtype=torch.long, device=device)
@@ -149,7 +162,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale,
         if prefix_len == 0:  # nothing cached before: the chunk's own K/V is everything
             keys, values = k[start:end], v[start:end]
         else:  # gather the prefix + chunk from the cache: (context_len, kv_heads, head_dim)
-            table = meta.block_tables[i, : -(-context_len // block_size)]
+            table = meta.block_tables[i, : cdiv(context_len, block_size)]
             keys = k_cache.index_select(0, table).flatten(0, 1)[:context_len]
             values = v_cache.index_select(0, table).flatten(0, 1)[:context_len]
 

@@ -17,6 +17,7 @@ keeps the books (which block goes where); the torch side (kv_cache.py) copies th
 
 from collections import OrderedDict
 
+from .config import cdiv
 from .request import Request
 
 
@@ -65,7 +66,7 @@ class BlockManager:
         return len(self.cpu_free)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # ------------------------------------------------------------------ prefix cache
     def _hashes(self, req: Request, num_full_blocks: int) -> list[int]:
@@ -119,7 +120,7 @@ class BlockManager:
     def num_blocks_needed(self, rid: str, num_tokens: int, computed_blocks: list[int] = ()) -> int:
         """Free blocks that `allocate(rid, num_tokens, computed_blocks)` would consume."""
         have = len(self.block_tables.get(rid, ())) + len(computed_blocks)
-        new = max(0, -(-num_tokens // self.block_size) - have)
+        new = max(0, self.blocks_for(num_tokens) - have)
         if not computed_blocks:
             return new
         return new + sum(1 for b in computed_blocks if self.ref_counts[b] == 0)  # cached but free

@@ -15,6 +15,11 @@ PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the blocks of b tokens that hold a tokens (vLLM's name for it)."""
+    return -(-a // b)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct; else a local dir or hub id
@@ -82,7 +87,7 @@ class EngineConfig:
         """Columns of a block table: enough blocks for the longest allowed sequence."""
         if self.max_model_len is None:
             return None
-        return -(-self.max_model_len // self.block_size)
+        return cdiv(self.max_model_len, self.block_size)
 
     @property
     def num_swap_blocks(self) -> int:

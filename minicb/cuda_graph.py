@@ -39,7 +39,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, cache_locations, pad_tables
+from .model_runner import host_inputs
 
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound: a graph buys little there
 BUCKET_STEP = 16  # bucket spacing after 8: padding wastes at most 15 rows
@@ -207,27 +208,23 @@ class DecodeGraphRunner:
         bucket = self.bucket_for(num_rows)
         if bucket is None or not self.can_run(out):
             raise ValueError(f"not a decode-only step of 1..{self.buckets[-1]} rows: run it eagerly")
-        ids, positions, locs, context_lens, tables = [], [], [], [], []
-        for r in rows:  # host-side bookkeeping, outside the graph: Python values are fine here
-            pos = r.start  # the one token fed sits at position start and sees start + 1 tokens
-            ids.append(r.request.token_ids[pos])
-            positions.append(pos)
-            locs.append(r.block_table[pos // bs] * bs + pos % bs)
-            context_lens.append(pos + 1)
-            tables.append(r.block_table[:pos // bs + 1])  # only the blocks in use
-        width = max(len(t) for t in tables)  # how many columns to copy (the graph reads all of them)
+        # Host-side bookkeeping, outside the graph (Python values are fine here): the same lists the
+        # eager path builds.
+        h = host_inputs(out, bs)
+        locs = cache_locations(h.block_tables, h.context_lens, h.query_lens, bs)
+        width = max(len(t) for t in h.block_tables)  # how many columns to copy (the graph reads all of them)
         if width > self.max_blocks:
             raise ValueError(f"a block table needs {width} blocks but the graphs hold {self.max_blocks} "
                              "(ceil(max_model_len / block_size))")
-        padded = [t + [self.sink_block_id] * (width - len(t)) for t in tables]
+        padded = pad_tables(h.block_tables, width, self.sink_block_id)
 
         def host(x):
             return torch.tensor(x, dtype=torch.long)  # built on the CPU; copy_ moves it to the device
 
-        self.input_ids[:num_rows].copy_(host(ids))
-        self.positions[:num_rows].copy_(host(positions))
+        self.input_ids[:num_rows].copy_(host(h.input_ids))
+        self.positions[:num_rows].copy_(host(h.positions))
         self.cache_locs[:num_rows].copy_(host(locs))
-        self.context_lens[:num_rows].copy_(host(context_lens))
+        self.context_lens[:num_rows].copy_(host(h.context_lens))
         self.block_tables[:num_rows, :width].copy_(host(padded))
         self.block_tables[:num_rows, width:] = self.sink_block_id  # masked anyway; keep them harmless
         self._pad(num_rows, bucket)

@@ -17,7 +17,8 @@ import torch
 from .config import EngineConfig
 from .kv_cache import KVCache, kv_bytes_per_token
 from .loader import LoadedModel, load_model
-from .model import CausalLM, prepack_for_cpu
+from .cpu_kernels import prepack_for_cpu
+from .model import CausalLM
 from .model_runner import ModelRunner
 from .request import CompletionOutput, Request, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
@@ -138,6 +139,7 @@ class Engine:
         now = time.perf_counter()
         outputs = []
         for req in touched:
+            req.metrics.token_times.append(now)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             if req.is_finished:
@@ -162,7 +164,15 @@ class Engine:
         sample = CompletionOutput(index=0, text=text, token_ids=out_ids, finish_reason=req.finish_reason,
                                   stop_reason=req.stop_reason, new_token_ids=new_token_ids)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, [sample],
-                             req.is_finished, dataclasses.replace(req.metrics), req.error)
+                             req.is_finished, dataclasses.replace(req.metrics, token_times=list(req.metrics.token_times)),
+                             req.error)
+
+
+def text_delta(sent: str, text: str, finished: bool) -> str:
+    """New text since `sent` (for streaming the growth of a decoded output). A trailing U+FFFD is half of a multi-byte character: hold it back."""
+    if not finished:
+        text = text.rstrip("\ufffd")
+    return text[len(sent):] if text.startswith(sent) else ""
 
 
 def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -14,11 +14,44 @@ the same inputs into static buffers and returns the same logits. Sampling always
 outside the graph, and the eager path below is the reference every graph must match.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from .attention import AttentionMetadata
+from .config import cdiv
 from .scheduler import SchedulerOutput
 from .sampler import Sampler
+
+
+@dataclass
+class HostInputs:
+    """One step's inputs as plain Python lists, before they become tensors (the part of input
+    preparation that runs on the CPU between two GPU steps, and that W3 times)."""
+
+    input_ids: list[int]  # (num_tokens,): every scheduled token of every row, rows concatenated
+    positions: list[int]  # (num_tokens,): each token's position in its own sequence
+    block_tables: list[list[int]]  # per row: only the blocks in use after this step
+    context_lens: list[int]  # per row: tokens in the cache after this step's writes
+    query_lens: list[int]  # per row: tokens fed this step
+    num_decodes: int  # the leading one-token rows, which take the batched decode path
+    sample_rows: list[int]  # rows that sample a token this step
+
+
+def host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
+    inputs = HostInputs([], [], [], [], [], 0, [])
+    for i, row in enumerate(out.scheduled):
+        start, n = row.start, row.num_tokens
+        inputs.input_ids += row.token_ids
+        inputs.positions += range(start, start + n)
+        inputs.context_lens.append(start + n)
+        inputs.query_lens.append(n)
+        inputs.block_tables.append(row.block_table[:cdiv(start + n, block_size)])
+        if n == 1 and inputs.num_decodes == i:
+            inputs.num_decodes += 1
+        if row.do_sample:
+            inputs.sample_rows.append(i)
+    return inputs
 
 
 class ModelRunner:
@@ -33,24 +66,11 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput):
         """(input_ids, positions, meta, sample_rows): everything the forward pass needs."""
-        bs = self.config.block_size
-        input_ids, positions, tables, context_lens, query_lens = [], [], [], [], []
-        sample_rows, num_decodes = [], 0
-        for i, row in enumerate(out.scheduled):
-            start, n = row.start, row.num_tokens
-            input_ids += row.token_ids
-            positions += range(start, start + n)
-            context_lens.append(start + n)
-            query_lens.append(n)
-            tables.append(row.block_table[:-(-(start + n) // bs)])  # only the blocks in use
-            if n == 1 and num_decodes == i:  # the leading one-token rows take the batched decode path
-                num_decodes += 1
-            if row.do_sample:
-                sample_rows.append(i)
-        meta = AttentionMetadata.build(tables, context_lens, query_lens, num_decodes, bs,
-                                       self.kv_cache.sink_block_id, self.device)
+        h = host_inputs(out, self.config.block_size)
+        meta = AttentionMetadata.build(h.block_tables, h.context_lens, h.query_lens, h.num_decodes,
+                                       self.config.block_size, self.kv_cache.sink_block_id, self.device)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
-        return as_tensor(input_ids), as_tensor(positions), meta, sample_rows
+        return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.sample_rows
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[int | None], dict[str, Exception]]:

@@ -35,6 +35,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token came out
 
     @property
     def queue_time(self) -> float | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .config import EngineConfig
 from .request import Request
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .trace import Trace
 
 SIM_NUM_BLOCKS = 4096  # used when the config leaves num_blocks to the engine: memory is ample
@@ -62,6 +62,16 @@ class SimResult:
         return f"SimResult(num_steps={self.num_steps}, requests={len(self.requests)}, {self.trace!r})"
 
 
+def scripted_step(sched: Scheduler, on_step=None) -> SchedulerOutput:
+    """One step with the scripted model: token 1 for every row that completes its tokens (never a
+    stop token). `on_step(sched, out)` looks at the schedule before the update."""
+    out = sched.schedule()
+    if on_step is not None:
+        on_step(sched, out)
+    sched.update(out, [1] * sum(1 for s in out.scheduled if s.do_sample))
+    return out
+
+
 def simulate(requests: list[SimRequest], config: EngineConfig | None = None, max_steps: int = 100_000,
              on_step=None) -> SimResult:
     """Run `requests` through the real scheduler. `on_step(scheduler, out)` is called after each
@@ -101,11 +111,7 @@ def simulate(requests: list[SimRequest], config: EngineConfig | None = None, max
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
             nxt += 1
-        out = sched.schedule()
-        if on_step is not None:
-            on_step(sched, out)
-        # The scripted model: token 1 for every row that completes its tokens (never a stop token).
-        sched.update(out, [1] * sum(1 for s in out.scheduled if s.do_sample))
+        out = scripted_step(sched, on_step)
         trace.record(sched, out, sched.take_finished())
 
     results = [SimRequestResult(r.request_id, r.num_prompt_tokens, r.params.max_tokens,

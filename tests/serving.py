@@ -9,8 +9,9 @@ from contextlib import ExitStack, contextmanager
 import httpx
 
 from minicb import LLM, Engine, EngineConfig
-from minicb.async_engine import AsyncEngine
-from minicb.server import ServerThread, build_app
+from minicb.serve.app import build_app
+from minicb.serve.cli import ServerThread
+from minicb.serve.engine_loop import AsyncEngine
 
 CONFIG = dict(dtype="float64", block_size=4, num_blocks=1024, max_num_seqs=8)
 MAX_LEN = 2048  # the tiny models' max_position_embeddings: long enough to outlive a disconnect

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, settings
 schemathesis = pytest.importorskip("schemathesis")
 
 from minicb import Engine, EngineConfig  # noqa: E402
-from minicb.async_engine import AsyncEngine  # noqa: E402
+from minicb.serve.engine_loop import AsyncEngine  # noqa: E402
 from minicb.loader import load_model, save_tiny_model  # noqa: E402
-from minicb.server import build_app  # noqa: E402
+from minicb.serve.app import build_app  # noqa: E402
 from reference import add_word_tokenizer  # noqa: E402
 
 

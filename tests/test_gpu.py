@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from minicb.bench_gpu import W2_MODEL, decode_latency_by_bucket, run_w2
+from minicb.bench.w2 import W2_MODEL, decode_latency_by_bucket, run_w2
 from minicb.loader import load_model, make_tiny_model, save_tiny_model
 from test_cuda_graph import (MAX_TOKENS, PROMPTS, assert_replays_match_eager, check_graph_buckets,
                              check_padded_rows_write_only_the_sink, generate, make_runner)

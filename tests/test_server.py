@@ -325,7 +325,7 @@ def test_openai_client(server, chat_server, plain):
 
 # ---------------------------------------------------------------------- the load test
 def test_loadtest_reports_and_blocks_return(tmp_path, capsys):
-    from minicb import loadtest
+    from minicb.serve import loadtest
 
     out = tmp_path / "load.json"
     common = ["--tiny", "--dtype", "float64", "--prompt-len", "8", "--json", str(out)]

@@ -1,4 +1,4 @@
-"""Workload W1 (shared/bench-workloads.md): mixed-length chat on the CPU, four systems side by side.
+"""Workload W1 (defined in minicb/bench/__init__.py): mixed-length chat on the CPU, side by side.
 
 64 chat requests arrive at once; their output lengths are log-normal (mean ~61, longest 256)
 and EOS is ignored so every system produces exactly the same number of tokens. The competitors
@@ -18,13 +18,15 @@ per generated token.
 import os
 import random
 import statistics
-import threading
 import time
 
 from tqdm.auto import tqdm
 
-from .metrics import percentile
-from .sampling_params import SamplingParams
+from ..cpu_kernels import gemm_peaks
+from ..engine import chat_token_ids
+from ..metrics import mean_gap, percentile, tpot
+from ..sampling_params import SamplingParams
+from .machine import PeakRSS, cpu_model
 
 # ---------------------------------------------------------------------------------------------- W1
 W1_TOPICS = ["the sea", "gravity", "bread", "Rome", "a cat", "rain", "chess", "music", "trains", "the moon",
@@ -32,43 +34,16 @@ W1_TOPICS = ["the sea", "gravity", "bread", "Rome", "a cat", "rain", "chess", "m
 
 
 def w1_workload(tokenizer, num_requests: int = 64) -> tuple[list[list[int]], list[int]]:
-    """The W1 prompts (chat-templated token ids) and output lengths, exactly as bench-workloads.md
-    builds them: one random.Random(0), topic, then repeats, then a log-normal output length."""
+    """The W1 prompts (chat-templated token ids) and output lengths, built as the workload's definition
+    says: one random.Random(0); per request a topic, then repeats, then a log-normal output length."""
     rng = random.Random(0)
     prompts, outs = [], []
     for _ in range(num_requests):
         topic = rng.choice(W1_TOPICS)
         q = f"Tell me about {topic}." + " Please be detailed." * rng.randint(0, 6)
         outs.append(min(256, max(4, int(rng.lognormvariate(3.5, 0.9)))))
-        prompts.append(list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                          tokenize=True, return_dict=False)))
+        prompts.append(chat_token_ids(tokenizer, [{"role": "user", "content": q}]))
     return prompts, outs
-
-
-class PeakRSS:
-    """Peak resident memory above the starting point while the block runs (sampled every 20 ms)."""
-
-    def __enter__(self):
-        self.base = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def _watch(self):
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self._rss())
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-        self.mib = (self.peak - self.base) / 2**20
 
 
 def _result(name, wall, outs, ttfts, tpots, peak_mib, **extra) -> dict:
@@ -108,7 +83,7 @@ def run_hf_static(model, prompts, outs, pad_id: int, batch_size: int = 16) -> di
             for n in ns:  # request i's tokens exist at steps 1..n of its batch
                 ttfts.append(clock.times[0] - t0)
                 if n > 1:
-                    tpots.append((clock.times[n - 1] - clock.times[0]) / (n - 1))
+                    tpots.append(mean_gap(clock.times[0], clock.times[n - 1], n))
             bar.update(len(ps))
         wall = time.perf_counter() - t0
     bar.close()
@@ -149,13 +124,12 @@ def run_hf_continuous(model, prompts, outs) -> dict:
         if ts:
             ttfts.append(ts[0] - t0)
             if n > 1:
-                tpots.append((ts[-1] - ts[0]) / (n - 1))
+                tpots.append(mean_gap(ts[0], ts[-1], n))
     return _result("transformers continuous batching", wall, outs, ttfts, tpots, mem.mib)
 
 
 def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
-    from .engine import LLM
-    from .metrics import tpot
+    from ..engine import LLM
 
     llm = LLM.from_loaded(loaded, batching=batching, **config)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
@@ -172,53 +146,10 @@ def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
                    slot_utilization=trace.slot_utilization(), steps=len(trace), trace=trace)
 
 
-def cpu_model() -> str:
-    """The CPU's name and widest vector unit, from /proc/cpuinfo (Linux), for naming the machine."""
-    try:
-        info = open("/proc/cpuinfo").read()
-    except OSError:
-        import platform
-
-        return platform.processor() or "an unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "a CPU")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{name} ({vector})"
-
-
-def gemm_peaks(n: int = 2048, repeats: int = 10) -> dict[str, float]:
-    """The machine's float32 matmul speed in GFLOP/s: the best of a few n x n GEMMs, for each kernel
-    PyTorch offers on a CPU. `torch.matmul` calls the BLAS (MKL here); "oneDNN packed" is the kernel
-    minicb's PackedLinear calls. They can differ by 2x: MKL takes its AVX2 path on AMD CPUs while
-    oneDNN uses AVX-512, so the honest peak of the machine is the larger of the two."""
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    kernels = {"torch.matmul": lambda: a @ b}
-    if torch.backends.mkldnn.is_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(b)
-        kernels["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
-    peaks = {}
-    for name, gemm in kernels.items():
-        gemm()  # warm up
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            gemm()
-            best = min(best, time.perf_counter() - t)
-        peaks[name] = 2 * n**3 / best / 1e9
-    return peaks
-
-
-def gemm_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
-    """The machine's float32 GEMM peak: the fastest kernel of gemm_peaks()."""
-    return max(gemm_peaks(n, repeats).values())
-
-
 def decode_step_roofline(loaded, batch: int = 64, context: int = 100, steps: int = 10) -> dict:
     """Time one decode step at `batch` (contexts of `context` tokens): achieved FLOP/s for 2 x params
     per token, the model's arithmetic for one generated token."""
-    from .engine import LLM
+    from ..engine import LLM
 
     llm = LLM.from_loaded(loaded, max_num_seqs=batch, max_num_batched_tokens=max(256, batch))
     eng = llm.engine
@@ -253,7 +184,7 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
     """
     import torch
 
-    from .loader import DEFAULT_MODEL, cache_dir, load_model
+    from ..loader import DEFAULT_MODEL, cache_dir, load_model
 
     torch.set_num_threads(os.cpu_count())
     loaded = load_model(None)
@@ -279,7 +210,7 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
             if results:
                 time.sleep(cooldown_s)
             results.append(runs[name]() | {"key": name})
-    del hf
+    runs.clear()  # drops transformers' model before the peaks are measured
     time.sleep(cooldown_s)
     peaks = gemm_peaks()
     peak = max(peaks.values())

@@ -8,8 +8,8 @@ run_w2: the nano-vllm / vLLM offline workload (see the project's bench-workloads
 256 requests, prompt and output lengths uniform in 100..1024, random token ids, EOS ignored,
 Qwen3-0.6B; throughput counts output tokens only. Run it with and without graphs:
 
-    python -m minicb.bench_gpu --workload w2 [--model /path/to/Qwen3-0.6B]
-    python -m minicb.bench_gpu --workload latency
+    python -m minicb.bench.w2 --workload w2 [--model /path/to/Qwen3-0.6B]
+    python -m minicb.bench.w2 --workload latency
 
 Both need a CUDA GPU and raise RuntimeError without one. Quote ratios, with the GPU's name:
 an absolute tokens/s figure holds only for the machine it was taken on.
@@ -23,11 +23,11 @@ import time
 
 import torch
 
-from .engine import LLM
-from .loader import load_model
-from .request import Request
-from .sampling_params import SamplingParams
-from .scheduler import ScheduledRequest, SchedulerOutput
+from ..engine import LLM
+from ..loader import load_model
+from ..request import Request
+from ..sampling_params import SamplingParams
+from ..scheduler import ScheduledRequest, SchedulerOutput
 
 W2_MODEL = "Qwen/Qwen3-0.6B"  # a hub id (found in the local HF cache) or a local directory
 W2_KV_FRACTION = 0.5  # of the free GPU memory, for the KV cache (graphs and activations need the rest)
@@ -163,14 +163,14 @@ def decode_latency_by_bucket(model_path: str | None = None, *, dtype: str = "bfl
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m minicb.bench_gpu", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m minicb.bench.w2", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=("w2", "latency"), default="w2")
     parser.add_argument("--model", default=None, help=f"local dir or hub id (default {W2_MODEL}, from the HF cache)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args(argv)
-    require_cuda("python -m minicb.bench_gpu")
+    require_cuda("python -m minicb.bench.w2")
     loaded = _load(args.model, None, args.dtype)
     if args.workload == "latency":
         for row in decode_latency_by_bucket(dtype=args.dtype, loaded=loaded):

@@ -24,26 +24,21 @@ Every error body has OpenAI's shape: {"error": {"message", "type", "param", "cod
 
 import asyncio
 import json
-import threading
 import time
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from .async_engine import AsyncEngine, QueueFullError, RequestStream
-from .engine import chat_token_ids
-from .protocol import (UNSUPPORTED, ChatCompletionRequest, ChatCompletionResponse,
-                       CompletionRequest, CompletionResponse, ErrorResponse, ModelList, SamplingFields)
-from .sampling_params import SamplingParams
+from ..engine import chat_token_ids, text_delta
+from ..sampling_params import SamplingParams
+from .engine_loop import AsyncEngine, QueueFullError, RequestStream
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                       ErrorResponse, ModelList, SamplingFields)
+from .validation import DEFAULT_MAX_REQUEST_BYTES, APIError, BodySizeLimit, CheckedJSONRoute, validation_error
 
-MAX_JSON_DEPTH = 16  # the deepest real body (chat content parts) is 5 levels
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # ~1M tokens of text: far beyond any prompt a model here can take
 ERROR_STATUSES = {400: "invalid input (OpenAI error shape, naming the field)", 404: "model not served here",
                   413: "body larger than --max-request-bytes", 500: "the request failed inside the engine",
                   503: "server full (Retry-After) or engine not running"}
@@ -53,124 +48,6 @@ STREAM = {"text/event-stream": {"schema": {  # one server-sent event
     "properties": {"data": {"type": "string", "description": "a JSON chunk (a CompletionResponse, or a "
                             "ChatCompletionChunk), an error object, or `[DONE]`, the last event"},
                    "event": {"type": "string"}}}}}
-
-
-class APIError(HTTPException):
-    """An error a client should see, in OpenAI's shape. An HTTPException, so that FastAPI passes it
-    through untouched even when it is raised while the body is being parsed."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict | None = None):
-        super().__init__(status, message, headers)
-        self.message, self.param, self.kind = message, param, kind
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status_code}}
-        headers = dict(self.headers or {})
-        if self.status_code == 503:
-            headers["Retry-After"] = "1"
-        return JSONResponse(body, status_code=self.status_code, headers=headers or None)
-
-
-# ---------------------------------------------------------------------- parsing and validation
-def check_json(value, depth: int = 1, field: str | None = None) -> None:
-    """Refuse nesting deeper than MAX_JSON_DEPTH and strings that are not valid Unicode.
-    `field`: the top-level field being checked, named in the error."""
-    if depth > MAX_JSON_DEPTH:
-        raise APIError(400, f"JSON is nested more than {MAX_JSON_DEPTH} levels deep", field)
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate, which JSON's \\uXXXX escapes can spell
-            raise APIError(400, f"'{field or 'body'}' is not valid Unicode: {e.reason} at position {e.start}",
-                           field) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_json(k, depth + 1, field)
-            check_json(v, depth + 1, k if depth == 1 else field)
-    elif isinstance(value, list):
-        for v in value:
-            check_json(v, depth + 1, field)
-
-
-class BodySizeLimit:
-    """ASGI middleware: 413 for a body over `max_bytes`, before it is read whole. A declared
-    Content-Length over the limit is answered at once, without reading a byte; a body sent in chunks
-    is cut off as soon as the bytes received pass the limit (the handler's read raises APIError).
-    (FastAPI's own max_body_size does the same, but answers in plain text, not OpenAI's shape.)"""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        too_large = APIError(413, f"request body is larger than {self.max_bytes} bytes (--max-request-bytes)")
-        length = Headers(scope=scope).get("content-length", "")
-        if length.isdigit() and int(length) > self.max_bytes:
-            return await too_large.response()(scope, receive, send)
-        received = 0
-
-        async def counted():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise too_large
-            return message
-
-        await self.app(scope, counted, send)
-
-
-class CheckedJSONRequest(Request):
-    async def json(self):
-        if not hasattr(self, "_json"):
-            try:
-                body = json.loads(await self.body())
-            except RecursionError:  # Python's parser gives up near 1,000 levels
-                raise APIError(400, f"JSON is nested more than {MAX_JSON_DEPTH} levels deep") from None
-            check_json(body)
-            self._json = body
-        return self._json
-
-
-class CheckedJSONRoute(APIRoute):
-    """A route whose body goes through CheckedJSONRequest.json() before FastAPI validates it."""
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def checked(request: Request):
-            return await handler(CheckedJSONRequest(request.scope, request.receive))
-
-        return checked
-
-
-TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "constrained", "literal", "function")
-PROMPT_FORMS = "a non-empty string, a list of integer token ids, or a list holding one of those (one prompt)"
-
-
-def validation_error(e: RequestValidationError) -> APIError:
-    """FastAPI's 422 becomes OpenAI's 400, naming the first field at fault."""
-    err = e.errors()[0]
-    # pydantic puts union members' type names in the location ("prompt", "str"): keep field names only
-    loc = [f"[{x}]" if isinstance(x, int) else x for x in err.get("loc", ())
-           if x != "body" and not (isinstance(x, str) and x.split("-")[0].split("[")[0] in TYPE_TAGS)]
-    field = loc[0] if loc else None
-    if err.get("type") == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
-    if not loc and err.get("type") in ("model_attributes_type", "dict_type"):
-        return APIError(400, "request body must be a JSON object (Content-Type: application/json)")
-    neutral = UNSUPPORTED.get(field)
-    if neutral is not None and not err["type"].endswith("_type"):  # right type, a value minicb lacks
-        return APIError(400, f"'{field}' is not supported by minicb (only {neutral})", field)
-    if field == "prompt" and err["type"] != "missing":
-        return APIError(400, f"'prompt' must be {PROMPT_FORMS}", "prompt")
-    got = json.dumps(err.get("input"))[:50] if err.get("input") is not None else "nothing"
-    path = "".join(x if x.startswith("[") or i == 0 else f".{x}" for i, x in enumerate(loc)) or "body"
-    if err["type"] == "missing":
-        return APIError(400, f"'{path}' is required", field)
-    return APIError(400, f"'{path}': {err['msg']} (got {got})", field)
 
 
 def room_for_reply(engine, num_prompt_tokens: int) -> int:
@@ -191,13 +68,6 @@ def to_sampling_params(body: SamplingFields, default_max_tokens: int) -> Samplin
 
 
 # ---------------------------------------------------------------------- response bodies
-def text_delta(sent: str, text: str, finished: bool) -> str:
-    """New text since `sent`. A trailing U+FFFD is half of a multi-byte character: hold it back."""
-    if not finished:
-        text = text.rstrip("\ufffd")
-    return text[len(sent):] if text.startswith(sent) else ""
-
-
 def choice(chat: bool, stream: bool, text: str, out, token_ids: list[int]) -> dict:
     """One entry of "choices": text (completions), message (chat) or delta (chat stream)."""
     if not chat:
@@ -363,63 +233,3 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
     return app
 
 
-# ---------------------------------------------------------------------- running it
-class ServerThread:
-    """uvicorn in a background thread on a free loopback port: `with ServerThread(app) as url: ...`."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        # Let uvicorn bind (port 0: any free port). A socket made by socket.create_server has proto 0,
-        # and asyncio then skips TCP_NODELAY: every response would wait ~40 ms for a delayed ACK.
-        self.host = host
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, name="minicb-uvicorn", daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://{self.host}:{port}"
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(15)
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--model", default=None, help="model dir or hub id (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the model's)")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-waiting", type=int, default=64,
-                        help="requests held beyond max_num_seqs before new ones get 503 (default 64)")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help=f"larger request bodies get 413 before they are read (default {DEFAULT_MAX_REQUEST_BYTES})")
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (batch slots)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from a 512 MiB budget)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--trace-steps", type=int, default=1000, help="engine steps kept in the trace")
-
-
-def main(args) -> None:
-    from .config import EngineConfig
-    from .engine import Engine
-
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                          num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    engine = Engine(config)
-    app = build_app(AsyncEngine(engine, args.max_waiting, args.trace_steps), args.served_model_name,
-                    args.max_request_bytes)
-    print(f"minicb: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1 "
-          f"({engine.config.num_blocks} KV blocks of {engine.config.block_size}, "
-          f"{engine.config.max_num_seqs} slots, max_waiting={args.max_waiting})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)

@@ -23,50 +23,19 @@ import itertools
 import logging
 import queue
 import threading
-import time
-from collections import deque
 
 from typing import TYPE_CHECKING
 
-from .metrics import tpot
-from .request import RequestOutput
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
+from .metrics import ServerMetrics
 
 if TYPE_CHECKING:  # the engine pulls in torch; this module is imported by the CLI's --help
-    from .engine import Engine
+    from ..engine import Engine
 
 log = logging.getLogger("minicb.server")
 
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # seconds
-TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)  # seconds per token
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows in one step
-THROUGHPUT_WINDOW_S = 10.0  # tokens/s is averaged over the last few seconds
-
-
 class QueueFullError(Exception):
     """The server already holds max_num_seqs + max_waiting unfinished requests: come back later (HTTP 503)."""
-
-
-class Histogram:
-    """A Prometheus histogram: cumulative bucket counts, a sum and a count."""
-
-    def __init__(self, buckets):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)  # observations <= bucket bound (cumulative)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6f}",
-                      f"{name}_count {self.count}"]
 
 
 class RequestStream:
@@ -111,19 +80,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        # Metrics: written by the engine loop, read by GET /metrics, both under this lock.
-        self._lock = threading.Lock()
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
-        self.batch_size = Histogram(BATCH_BUCKETS)
-        self.num_steps = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.finished_total = {"stop": 0, "length": 0, "abort": 0, "error": 0}
-        self.rejected_total = 0
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
-        self.gauges: dict[str, int] = {}
-        self._publish_gauges()
+        self.metrics = ServerMetrics()  # written by the engine loop, read by GET /metrics
+        self.metrics.publish_gauges(engine.scheduler)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -201,8 +159,7 @@ class AsyncEngine:
         if held >= self.capacity:
             error = QueueFullError(f"server full: it holds {held} unfinished requests (max_num_seqs="
                                    f"{self.engine.config.max_num_seqs} + max_waiting={self.max_waiting}); retry later")
-            with self._lock:
-                self.rejected_total += 1
+            self.metrics.count_rejected()
         else:
             try:
                 self.engine.add_request(prompt_token_ids, params, priority, request_id=stream.request_id)
@@ -212,17 +169,17 @@ class AsyncEngine:
             except Exception as e:  # a bug must not kill the engine loop
                 log.exception("add_request failed")
                 error = RuntimeError(f"the engine could not add this request: {type(e).__name__}: {e}")
-        self._publish_gauges()  # first, so that /metrics already counts a request its client sees accepted
+        self.metrics.publish_gauges(self.engine.scheduler)  # first, so that /metrics already counts a request its client sees accepted
         self._loop.call_soon_threadsafe(_resolve, accepted, error)
 
     def _abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)  # None if it finished in the meantime
         stream = self._streams.pop(request_id, None)
         if out is not None:
-            self._record_finished([out])
+            self.metrics.record_finished([out])
             if stream is not None:
                 self._loop.call_soon_threadsafe(_deliver, [(stream.queue, out)])
-        self._publish_gauges()
+        self.metrics.publish_gauges(self.engine.scheduler)
 
     def _step(self) -> None:
         try:
@@ -236,17 +193,10 @@ class AsyncEngine:
         # Requests stopped for an error get it delivered; aborted ones were delivered by _abort.
         failed = [o for o in outputs if o.error is not None]
         outputs = [o for o in outputs if o.outputs[0].new_token_ids]
-        now = time.perf_counter()
         trace = self.engine.trace
         rows = len(trace.steps[-1].rows) if self.engine.config.record_trace and trace.steps else len(outputs)
-        with self._lock:
-            self.num_steps += 1
-            self.batch_size.observe(rows)
-            self.generation_tokens_total += len(outputs)  # one new token per output
-            self._recent.append((now, len(outputs)))
-            while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
-                self._recent.popleft()
-        self._record_finished([o for o in outputs if o.finished] + failed)
+        self.metrics.record_step(rows, len(outputs))  # one new token per output
+        self.metrics.record_finished([o for o in outputs if o.finished] + failed)
         deliveries = []
         for out in failed:
             stream = self._streams.pop(out.request_id, None)
@@ -259,7 +209,7 @@ class AsyncEngine:
                 deliveries.append((stream.queue, out))
                 if out.finished:
                     del self._streams[out.request_id]
-        self._publish_gauges()  # first, so that a client reading /metrics after its last token sees it freed
+        self.metrics.publish_gauges(self.engine.scheduler)  # first, so that a client reading /metrics after its last token sees it freed
         if deliveries:
             self._loop.call_soon_threadsafe(_deliver, deliveries)
 
@@ -267,65 +217,22 @@ class AsyncEngine:
         failure = RuntimeError(f"the engine failed while running this request: {type(error).__name__}: {error}")
         for rid, stream in list(self._streams.items()):
             self.engine.abort_request(rid)
-            with self._lock:
-                self.finished_total["error"] += 1
+            self.metrics.count_error()
             self._loop.call_soon_threadsafe(_deliver, [(stream.queue, failure)])
         self._streams.clear()
         for req in list(self.engine.scheduler.requests):  # anything left without a listener
             self.engine.abort_request(req)
-        self._publish_gauges()
+        self.metrics.publish_gauges(self.engine.scheduler)
 
-    def _record_finished(self, outputs: list[RequestOutput]) -> None:
-        with self._lock:
-            for out in outputs:
-                self.finished_total[out.outputs[0].finish_reason] += 1
-                self.prompt_tokens_total += len(out.prompt_token_ids)
-                if out.metrics.ttft is not None:
-                    self.ttft.observe(out.metrics.ttft)
-                t = tpot(out.metrics, len(out.outputs[0].token_ids))
-                if t is not None:
-                    self.tpot.observe(t)
-
-    def _publish_gauges(self) -> None:
-        sched = self.engine.scheduler
-        bm = sched.block_manager
-        gauges = dict(num_requests_running=len(sched.running), num_requests_waiting=len(sched.waiting),
-                      num_requests_swapped=len(sched.swapped), kv_blocks_used=bm.num_used_blocks,
-                      kv_blocks_free=bm.num_free_blocks, kv_blocks_total=bm.num_blocks)
-        with self._lock:
-            self.gauges = gauges
+    def metrics_text(self) -> str:
+        return self.metrics.text()
 
     def __repr__(self):
-        g = self.gauges
+        g = self.metrics.gauges
         return (f"AsyncEngine(running={g['num_requests_running']}, waiting={g['num_requests_waiting']}"
                 f"/{self.max_waiting}, swapped={g['num_requests_swapped']}, kv_blocks_used="
-                f"{g['kv_blocks_used']}/{g['kv_blocks_total']}, steps={self.num_steps}, "
+                f"{g['kv_blocks_used']}/{g['kv_blocks_total']}, steps={self.metrics.num_steps}, "
                 f"loop={'running' if self.is_running else 'stopped'})")
-
-    # ------------------------------------------------------------------ Prometheus text format
-    def metrics_text(self) -> str:
-        with self._lock:
-            window = sum(n for _, n in self._recent)
-            lines = []
-            for name, value in self.gauges.items():
-                lines += [f"# TYPE minicb_{name} gauge", f"minicb_{name} {value}"]
-            lines += ["# HELP minicb_generation_tokens_per_second output tokens/s over the last "
-                      f"{THROUGHPUT_WINDOW_S:.0f} s", "# TYPE minicb_generation_tokens_per_second gauge",
-                      f"minicb_generation_tokens_per_second {window / THROUGHPUT_WINDOW_S:.3f}"]
-            for name, value in (("engine_steps", self.num_steps), ("prompt_tokens", self.prompt_tokens_total),
-                                ("generation_tokens", self.generation_tokens_total),
-                                ("requests_rejected", self.rejected_total)):
-                lines += [f"# TYPE minicb_{name}_total counter", f"minicb_{name}_total {value}"]
-            lines.append("# TYPE minicb_requests_finished_total counter")
-            lines += [f'minicb_requests_finished_total{{finish_reason="{k}"}} {v}'
-                      for k, v in self.finished_total.items()]
-            for name, hist, about in (("time_to_first_token_seconds", self.ttft, "arrival to first token"),
-                                      ("time_per_output_token_seconds", self.tpot, "mean decode pace"),
-                                      ("batch_size", self.batch_size, "requests in one engine step")):
-                lines += [f"# HELP minicb_{name} {about}", f"# TYPE minicb_{name} histogram"]
-                lines += hist.lines(f"minicb_{name}")
-        return "\n".join(lines) + "\n"
-
 
 # These run in the event loop (scheduled with call_soon_threadsafe): asyncio objects are not thread-safe.
 def _resolve(future: asyncio.Future, error: Exception | None) -> None:

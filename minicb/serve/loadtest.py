@@ -1,8 +1,8 @@
 """A bounded load test of the HTTP server: throughput and latency under concurrent clients.
 
-    python -m minicb.loadtest                   # the embedded SmolLM2, served on a free loopback port
-    python -m minicb.loadtest --tiny            # a tiny random model: a smoke test in seconds
-    python -m minicb.loadtest --url http://127.0.0.1:8000    # a server already running (loopback only)
+    python -m minicb.serve.loadtest                   # the embedded SmolLM2, served on a free loopback port
+    python -m minicb.serve.loadtest --tiny            # a tiny random model: a smoke test in seconds
+    python -m minicb.serve.loadtest --url http://127.0.0.1:8000    # a server already running (loopback only)
 
 At each concurrency level, `--num-requests` streaming requests are sent by that many clients at
 once. Each client measures on its own clock: TTFT = send -> first token, TPOT = (last token -
@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from .metrics import percentile
+from ..metrics import percentile
 
 CANCELLED = "cancelled at the time limit"
 
@@ -168,19 +168,19 @@ async def load_test(url: str, levels: list[int], bodies: list[dict], time_limit:
 
 def start_server(args, stack: ExitStack) -> str:
     """Serve `args.model` (or a tiny random model) in this process, on a free loopback port."""
-    from .async_engine import AsyncEngine
-    from .config import EngineConfig
-    from .engine import Engine
-    from .server import ServerThread, build_app
+    from ..engine import Engine
+    from .app import build_app
+    from .cli import ServerThread, engine_config
+    from .engine_loop import AsyncEngine
 
     model = args.model
     if args.tiny:
-        from .loader import save_tiny_model
+        from ..loader import save_tiny_model
 
         model = str(save_tiny_model(stack.enter_context(tempfile.TemporaryDirectory())))
     print(f"starting a server on loopback ({model or 'embedded SmolLM2-135M-Instruct'}, {args.dtype}, "
           f"max_num_seqs={args.max_num_seqs})...", file=sys.stderr)
-    engine = Engine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.max_num_seqs))
+    engine = Engine(engine_config(args, model))
     app = build_app(AsyncEngine(engine, max_waiting=args.num_requests))  # every client may wait
     return stack.enter_context(ServerThread(app))
 
@@ -196,13 +196,13 @@ def check_loopback(url: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minicb.loadtest", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m minicb.serve.loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="a running server on loopback (default: start one here)")
-    p.add_argument("--model", default=None, help="model to serve when starting one (default: embedded)")
     p.add_argument("--tiny", action="store_true", help="serve a tiny random model instead (fast)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--max-num-seqs", type=int, default=32, help="slots of the server started here")
+    from .cli import add_engine_arguments
+
+    add_engine_arguments(p.add_argument_group("the server started here (without --url)"))
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default 1,4,16)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per level (default 32)")
     p.add_argument("--prompt-len", type=int, default=32, help="longest prompt in tokens (default 32)")

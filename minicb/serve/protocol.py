@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
-from .sampling_params import MAX_TOKEN_ID, MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
+from ..sampling_params import MAX_TOKEN_ID, MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
 
 INT64_MAX = 2**63 - 1
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number (an int too), never a bool

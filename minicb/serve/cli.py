@@ -1,0 +1,97 @@
+"""Running the server: `python -m minicb serve` (its options), and ServerThread for tests and notebooks."""
+
+import argparse
+import threading
+import time
+
+import uvicorn
+
+from .app import build_app
+from .engine_loop import AsyncEngine
+from .validation import DEFAULT_MAX_REQUEST_BYTES
+
+
+class ServerThread:
+    """uvicorn in a background thread on a free loopback port: `with ServerThread(app) as url: ...`."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        # Let uvicorn bind (port 0: any free port). A socket made by socket.create_server has proto 0,
+        # and asyncio then skips TCP_NODELAY: every response would wait ~40 ms for a delayed ACK.
+        self.host = host
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name="minicb-uvicorn", daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://{self.host}:{port}"
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def add_engine_arguments(parser, max_num_seqs: int = 32) -> None:
+    """The engine's knobs (EngineConfig fields, vLLM's flag names), shared by `serve` and the load test."""
+    from ..config import BATCHING_MODES, DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES
+
+    parser.add_argument("--model", default=None, help="model dir or hub id (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests running at once (batch slots)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-bytes)")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget (default 512 MiB)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                        help="fcfs, priority (a request's lowest 'priority' value first) or sjf")
+    parser.add_argument("--batching", default="continuous", choices=BATCHING_MODES)
+    parser.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--use-cuda-graph", default="auto", choices=["auto", "true", "false"])
+
+
+def engine_config(args, model: str | None = None):
+    """The EngineConfig that add_engine_arguments' flags describe (`model` overrides --model)."""
+    from ..config import EngineConfig
+
+    graphs = {"auto": "auto", "true": True, "false": False}[args.use_cuda_graph]
+    return EngineConfig(model=model or args.model, dtype=args.dtype, device=args.device,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
+                        max_model_len=args.max_model_len, scheduling_policy=args.scheduling_policy,
+                        batching=args.batching, preemption_mode=args.preemption_mode,
+                        enable_prefix_caching=args.enable_prefix_caching, use_cuda_graph=graphs)
+
+
+def add_arguments(parser) -> None:
+    """Options of `python -m minicb serve`."""
+    add_engine_arguments(parser)
+    parser.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the model's)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-waiting", type=int, default=64,
+                        help="requests held beyond max_num_seqs before new ones get 503 (default 64)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help=f"larger request bodies get 413 before they are read (default {DEFAULT_MAX_REQUEST_BYTES})")
+    parser.add_argument("--trace-steps", type=int, default=1000, help="engine steps kept in the trace")
+
+
+def main(args) -> None:
+    from ..engine import Engine
+
+    engine = Engine(engine_config(args))
+    app = build_app(AsyncEngine(engine, args.max_waiting, args.trace_steps), args.served_model_name,
+                    args.max_request_bytes)
+    c = engine.config
+    print(f"minicb: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1 "
+          f"({c.num_blocks} KV blocks of {c.block_size}, {c.max_num_seqs} slots, {c.scheduling_policy}, "
+          f"max_waiting={args.max_waiting})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
