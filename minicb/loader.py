@@ -9,7 +9,8 @@ HF parameter names, and a tokenizer. They come from one of four places:
     float32 weights as safetensors so every later load takes about a second.
   - a local directory in HF layout: config.json + *.safetensors (or pytorch_model.bin).
   - a hub id "org/name": huggingface_hub's cache first, the network only if needed.
-  - make_tiny_model(): small deterministic random models for float64 parity tests.
+  - make_tiny_model() / save_tiny_model() (tiny_models.py): small deterministic random models for
+    the float64 parity tests, re-exported here.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+
+from .tiny_models import TINY_ARCHS, make_tiny_model, save_tiny_model, tiny_config  # noqa: F401
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # what LLM() with no model loads
@@ -255,59 +258,3 @@ def _hub_snapshot(repo_id: str) -> Path:
     except Exception as e:  # connection refused, DNS failure, timeout, proxy, ...
         raise OSError(unreachable.format(why=f"{type(e).__name__}: {e}")) from e
     return fetch(local_files_only=False)
-
-
-# --- tiny random models for tests --------------------------------------------------------------
-
-TINY_ARCHS = {  # arch -> (HF config class, fields that give the variant its twist in model.py)
-    "llama": ("LlamaConfig", dict()),
-    "llama3": ("LlamaConfig", dict(rope_parameters={  # frequency-dependent RoPE scaling
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-    "mistral": ("MistralConfig", dict(sliding_window=None)),  # the window would exceed 256 anyway
-    "qwen2": ("Qwen2Config", dict()),  # q/k/v projections have biases
-    "qwen3": ("Qwen3Config", dict(head_dim=32)),  # q/k RMSNorm, head_dim != hidden / heads
-}
-
-
-def tiny_config(arch: str = "llama", **config_overrides) -> transformers.PretrainedConfig:
-    """The config of a tiny model: 2 layers, 4 query heads sharing 2 KV heads (GQA), vocab 128."""
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"tiny arch {arch!r} is not one of {', '.join(TINY_ARCHS)}")
-    class_name, arch_fields = TINY_ARCHS[arch]
-    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  # HF's default 0.02 makes a tiny model's logits nearly flat, so greedy argmax would
-                  # hinge on rounding; 0.2 separates the top tokens clearly and outputs stay varied.
-                  initializer_range=0.2)
-    fields.update(arch_fields)
-    fields.update(config_overrides)
-    config = getattr(transformers, class_name)(**fields)
-    config.architectures = [class_name.replace("Config", "ForCausalLM")]
-    return config
-
-
-def make_tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float64,
-                    **config_overrides) -> transformers.PreTrainedModel:
-    """A deterministic random HF model (same arch + seed + overrides -> same weights), in eval mode."""
-    config = tiny_config(arch, **config_overrides)
-    with torch.random.fork_rng():  # do not disturb the caller's random stream
-        torch.manual_seed(seed)
-        # Initialize in float64 whatever `dtype` is, so a float32 model is the rounded float64 one.
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
-        with torch.no_grad():  # HF starts norms at 1 and biases at 0; a forward pass that forgot
-            for name, p in model.named_parameters():  # them would still match. Make them count.
-                if "norm" in name:
-                    p.normal_(1.0, 0.1)
-                elif name.endswith("bias"):
-                    p.normal_(0.0, config.initializer_range)
-    return model.to(dtype).eval()
-
-
-def save_tiny_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0,
-                    dtype: torch.dtype = torch.float64, **config_overrides) -> Path:
-    """Write a tiny model as an HF directory (config.json, model.safetensors, generation_config.json)."""
-    path = Path(path)
-    make_tiny_model(arch, seed, dtype, **config_overrides).save_pretrained(path)
-    return path

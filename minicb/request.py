@@ -109,6 +109,18 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
+    def append_output_token(self, token: int) -> "RequestStatus | None":
+        """Append a sampled token; return the finished status it causes, if any (vLLM's check_stop).
+        A stop token (EOS, unless ignored, or one of the user's) stops first; then max_tokens, which
+        the config keeps within max_model_len."""
+        self.token_ids.append(token)
+        if token in self.stop_token_ids:
+            self.stop_reason = None if token in self.eos_token_ids else token  # vLLM: None for EOS
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     @property
     def max_total_tokens(self) -> int:
         """Tokens whose K/V may ever be cached: the last generated token is never fed back."""

@@ -45,7 +45,3 @@ class SamplingParams:
             if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in ids):
                 raise ValueError(f"stop_token_ids must be integers in [0, 2**63 - 1], got {self.stop_token_ids!r}")
             object.__setattr__(self, "stop_token_ids", ids)  # a list given by the user becomes a tuple
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0

@@ -5,61 +5,19 @@ gets. Finished requests leave at once and waiting ones take their slots in the n
 the batch never waits for its longest member (continuous batching). One rule covers prefill,
 chunked prefill, decode and recompute: a request is given up to `num_tokens -
 num_computed_tokens` of its tokens, within a per-step token budget (`max_num_batched_tokens`).
-
-Order inside a step: running decodes first (one token each, the cheapest way to keep users
-streaming), then running prompts that are part-way through (chunked prefill), then swapped
-requests coming back, then new admissions by policy, each capped by the tokens left.
-When a running request needs a KV block and none is free, the request the policy would serve
-last is preempted: by recompute (free its blocks, prefill it again later) or by swap (copy its
-blocks to CPU). With `batching="static"` the same machinery admits a batch only when the
-previous batch has completely finished, which is what static batching costs.
+schedule() says in which order; when blocks run out, the request the policy would serve last is
+preempted, by recompute (free its blocks, prefill it again later) or by swap (copy them to CPU).
+With `batching="static"` the same machinery admits a batch only when the previous batch has
+completely finished, which is what static batching costs.
 """
 
 import bisect
 import heapq
-from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One row of the step's batch."""
-
-    request: Request
-    start: int  # num_computed_tokens before this step = position of the first token fed
-    num_tokens: int  # tokens fed this step (a prompt chunk, or 1 for a decode)
-    is_prefill: bool
-    do_sample: bool  # this step computes the request's last token, so a new token is sampled
-    block_table: list[int]  # the request's live block table (read it during this step only)
-    slot: int  # the batch row the request occupies while it runs
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.token_ids[self.start:self.start + self.num_tokens]
-
-
-@dataclass
-class SchedulerOutput:
-    step: int
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefills
-    num_batched_tokens: int = 0
-    admitted: list[str] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)  # by recompute
-    swapped_out: list[str] = field(default_factory=list)
-    swapped_in: list[str] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if not s.is_prefill)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -86,24 +44,9 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Request) -> None:
         """Queue a request, or raise ValueError if it could never run (nothing else changes)."""
-        c, n = self.config, req.num_prompt_tokens
-        if n == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if req.priority != 0 and c.scheduling_policy != "priority":  # as vLLM refuses it
-            raise ValueError(f"got priority {req.priority} but scheduling_policy is {c.scheduling_policy!r}: "
-                             "priorities are used only with scheduling_policy='priority'")
-        if c.max_model_len is not None and n + req.params.max_tokens > c.max_model_len:
-            raise ValueError(f"prompt has {n} tokens and max_tokens is {req.params.max_tokens}: "
-                             f"{n + req.params.max_tokens} exceeds max_model_len {c.max_model_len}")
-        need = self.block_manager.blocks_for(req.max_total_tokens)
-        if need > c.num_blocks:
-            raise ValueError(f"request needs up to {req.max_total_tokens} tokens = {need} KV blocks of "
-                             f"{c.block_size}, but the cache has only num_blocks={c.num_blocks}")
-        if not c.enable_chunked_prefill and n > c.max_num_batched_tokens:
-            raise ValueError(f"prompt has {n} tokens but max_num_batched_tokens is "
-                             f"{c.max_num_batched_tokens} and chunked prefill is disabled")
+        self.config.check_request(req.num_prompt_tokens, req.params.max_tokens, req.priority)
         self.requests[req.request_id] = req
         bisect.insort(self.waiting, req, key=self.policy_key)
 
@@ -325,16 +268,12 @@ class Scheduler:
             bm.cache_full_blocks(req)
             if not row.do_sample:
                 continue
-            token = next(samples)
-            req.token_ids.append(token)
+            stop = req.append_output_token(next(samples))
             touched.append(req)
             if req.first_token_step is None:
                 req.first_token_step = out.step
-            if token in req.stop_token_ids:
-                req.stop_reason = None if token in req.eos_token_ids else token  # vLLM: None for EOS
-                self._finish(req, RequestStatus.FINISHED_STOPPED)
-            elif req.num_output_tokens >= req.params.max_tokens:  # add_request keeps this within max_model_len
-                self._finish(req, RequestStatus.FINISHED_LENGTH)
+            if stop is not None:
+                self._finish(req, stop)
         return touched
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

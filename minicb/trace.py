@@ -41,11 +41,11 @@ class StepRecord:
     duration: float | None = None  # wall-clock seconds of the step (real engine only)
 
     @property
-    def num_decodes(self) -> int:
+    def num_decode_rows(self) -> int:
         return sum(1 for r in self.rows if not r.is_prefill)
 
     @property
-    def num_prefills(self) -> int:
+    def num_prefill_rows(self) -> int:
         return sum(1 for r in self.rows if r.is_prefill)
 
     def __repr__(self):

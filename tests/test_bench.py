@@ -16,7 +16,7 @@ def test_w3_setup_has_everyone_decoding():
     sched = w3.w3_scheduler(num_running=6, steps=4)
     assert len(sched.running) == 6 and not sched.waiting and not sched.swapped
     out = sched.schedule()
-    assert len(out.scheduled) == 6 and out.num_decodes == 6 and out.num_batched_tokens == 6
+    assert len(out.scheduled) == 6 and out.num_decode_rows == 6 and out.num_batched_tokens == 6
 
 
 def test_run_w3_smoke():

@@ -253,9 +253,9 @@ def test_graphs_match_eager_and_transformers(arch_model, name):
     assert tokens == eager == refs
     check_graph_buckets(engine, every_bucket=name != "bs4_cols8_chunked")
     if name == "bs4_cap4":
-        assert any(s.graph_bucket is None and s.num_prefills == 0 and len(s.rows) > 4 for s in engine.trace)
+        assert any(s.graph_bucket is None and s.num_prefill_rows == 0 and len(s.rows) > 4 for s in engine.trace)
     if name == "bs4_cols8_chunked":
-        assert any(s.num_prefills and s.num_decodes for s in engine.trace), "no mixed prefill + decode step"
+        assert any(s.num_prefill_rows and s.num_decode_rows for s in engine.trace), "no mixed prefill + decode step"
 
 
 def test_use_cuda_graph_modes_on_cpu(loaded):

@@ -155,14 +155,14 @@ def decode_step_roofline(loaded, batch: int = 64, context: int = 100, steps: int
     eng = llm.engine
     ids = [eng.add_request([(7 * i + j) % 1000 + 10 for j in range(context)],
                            SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)) for i in range(batch)]
-    while not eng.trace.steps or eng.trace[-1].num_prefills:
+    while not eng.trace.steps or eng.trace[-1].num_prefill_rows:
         eng.step()  # prefill everyone (the early ones start decoding meanwhile)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t)
-        assert eng.trace[-1].num_decodes == batch
+        assert eng.trace[-1].num_decode_rows == batch
     for rid in ids:
         eng.abort_request(rid)
     step = statistics.median(times)

@@ -1,0 +1,47 @@
+"""What Scheduler.schedule() hands the model runner: the rows of one step and the block copies.
+
+Plain data (vLLM keeps the same in vllm/v1/core/sched/output.py): the runner turns it into tensors,
+the trace records it, and nothing in it changes once the step has been scheduled.
+"""
+
+from dataclasses import dataclass, field
+
+from .request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One row of the step's batch."""
+
+    request: Request
+    start: int  # num_computed_tokens before this step = position of the first token fed
+    num_tokens: int  # tokens fed this step (a prompt chunk, or 1 for a decode)
+    is_prefill: bool
+    do_sample: bool  # this step computes the request's last token, so a new token is sampled
+    block_table: list[int]  # the request's live block table (read it during this step only)
+    slot: int  # the batch row the request occupies while it runs
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids[self.start:self.start + self.num_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's schedule: its rows and who was admitted, preempted or swapped."""
+
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefills
+    num_batched_tokens: int = 0
+    admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # by recompute
+    swapped_out: list[str] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Rows that feed one generated token (not the attention metadata's num_decodes, which
+        counts the leading one-query rows, a last prompt token included)."""
+        return sum(1 for s in self.scheduled if not s.is_prefill)
