@@ -111,10 +111,10 @@ def test_capture_order_buffers_and_routing(loaded):
         graphs.run(mixed)
 
 
-def test_capture_is_cheap_in_emulation(loaded):
+def test_every_bucket_is_captured_once(loaded):
     _, graphs = make_runner(loaded, block_size=16, num_blocks=64, max_num_seqs=64)
     assert graphs.buckets == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert graphs.capture_seconds < 10, "a second or so on 2 idle cores; 10 s leaves room for a busy machine"
+    assert sorted(graphs.graphs) == graphs.buckets and graphs.capture_seconds > 0  # timing belongs in benchmarks
 
 
 # ---------------------------------------------------------------------------------- graph safety
