@@ -29,7 +29,9 @@ class EngineConfig:
     # --- paged KV memory ---
     block_size: int = 16  # tokens per KV block: small blocks waste less, large ones gather faster
     num_blocks: int | None = None  # KV blocks on the device; None: derived from kv_cache_bytes
-    kv_cache_bytes: int | None = None  # memory budget for the KV cache; None: 512 MiB on CPU
+    # Memory budget of the KV cache. None: 512 MiB on every device, which a laptop CPU can spare; on a
+    # GPU set it (vLLM sizes it from free memory with gpu_memory_utilization, which minicb lacks).
+    kv_cache_bytes: int | None = None
     num_cpu_blocks: int | None = None  # swap space in blocks; None: as many as num_blocks
     enable_prefix_caching: bool = True  # reuse full blocks whose token prefix was computed before
     max_model_len: int | None = None  # prompt + output limit; None: the model's (or unlimited in sim)
