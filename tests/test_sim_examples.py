@@ -1,4 +1,6 @@
-"""The worked examples of the readings, reproduced by the real scheduler through minicb.sim.
+"""The worked examples of the course's background articles, reproduced by the real scheduler
+through minicb.sim. Each example is stated in full in the comment above its test (the articles
+themselves are not part of this repository), and so is every expectation.
 
 Every expectation is derived by hand in the comment above it, from the contract:
 steps count from 1; a request admitted in step k produces its first token in step k (its prompt
@@ -63,7 +65,7 @@ def test_idle_steps_pass_before_a_late_arrival():
 
 # ---------------------------------------------------------------------------------- 4, 4, 10, 10 (+4, +4)
 
-# keep-the-burners-busy.txt, section 3: four slots, outputs 4, 4, 10, 10, and two more 4-token
+# From the article "Keep the burners busy" (section 3): four slots, outputs 4, 4, 10, 10, and two more 4-token
 # requests waiting outside.
 BURNERS = [4, 4, 10, 10, 4, 4]
 
@@ -93,7 +95,7 @@ def test_burners_continuous_takes_10_steps():
 
 # ---------------------------------------------------------------------------------- A/B/C/D timeline
 
-# iteration-level-scheduling.txt: A 5 tokens, B 200, C 3, D 150 in four slots; E and F wait
+# From the article "Iteration-level scheduling": A 5 tokens, B 200, C 3, D 150 in four slots; E and F wait
 # (their lengths are not given there: we pick E = 4 and F = 6).
 ABCD = [("A", 5), ("B", 200), ("C", 3), ("D", 150), ("E", 4), ("F", 6)]
 
@@ -132,7 +134,7 @@ def test_abcd_continuous():
 
 # ---------------------------------------------------------------------------------- 100 x 50: 500 vs ~120
 
-# maximizing-gpu-utilization.txt claims: 100 requests averaging 50 output tokens, static batches
+# The article "Maximizing GPU utilization" claims: 100 requests averaging 50 output tokens, static batches
 # of 10 -> 500 steps, continuous -> ~120 steps (4.2x). We show when that holds.
 
 def static_vs_continuous(outputs, slots=10):
