@@ -22,8 +22,9 @@ from .request import Request
 
 
 def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-    # Chaining makes the hash name the whole prefix, not just this block's tokens. Python's
-    # hash() is fine inside one process; a production engine would use a collision-resistant hash.
+    # Chaining makes the hash name the whole prefix, not just this block's tokens. Python's hash()
+    # is fast and fine inside one process; a hit is still confirmed against the block's tokens
+    # (find_cached_prefix), so a collision can never serve another prompt's K/V. vLLM offers SHA-256.
     return hash((parent_hash, tokens))
 
 
@@ -39,6 +40,9 @@ class BlockManager:
         # the middle when a prefix hit revives a free block.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_hash: list[int | None] = [None] * num_blocks  # hash of a full computed block
+        # What that hash stands for, (parent hash, tokens): a hit is trusted only if it matches, so a
+        # hash collision costs a recomputation, never another prompt's K/V.
+        self.block_key: list[tuple | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id holding that prefix block
         self.block_tables: dict[str, list[int]] = {}  # request id -> physical block ids
         self.num_hashed: dict[str, int] = {}  # request id -> leading blocks already registered
@@ -84,12 +88,17 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits, num_full = [], (req.num_tokens - 1) // self.block_size
-        for h in self._hashes(req, num_full)[:num_full]:  # the chain may already run further
+        for i, h in enumerate(self._hashes(req, num_full)[:num_full]):  # the chain may already run further
             block = self.cached.get(h)
-            if block is None:
+            if block is None or self.block_key[block] != self._key(req, i):
                 break
             hits.append(block)
         return hits
+
+    def _key(self, req: Request, i: int) -> tuple:
+        """(parent hash, tokens) of block i of `req`: what its hash must stand for."""
+        bs = self.block_size
+        return (req.block_hashes[i - 1] if i else None, tuple(req.token_ids[i * bs:(i + 1) * bs]))
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the hash of every block that became full of computed tokens."""
@@ -104,6 +113,7 @@ class BlockManager:
             if hashes[i] not in self.cached:  # the same prefix computed twice keeps the first copy
                 self.cached[hashes[i]] = table[i]
                 self.block_hash[table[i]] = hashes[i]
+                self.block_key[table[i]] = self._key(req, i)
         self.num_hashed[rid] = end
 
     # ------------------------------------------------------------------ allocate / free
@@ -111,7 +121,7 @@ class BlockManager:
         block, _ = self.free_queue.popitem(last=False)
         h = self.block_hash[block]
         if h is not None:  # evict the prefix it held
-            self.block_hash[block] = None
+            self.block_hash[block] = self.block_key[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
         self.ref_counts[block] = 1

@@ -295,3 +295,19 @@ def test_repr_shows_the_state():
     bm = busy_manager()
     text = repr(bm)
     assert "blocks=8 x 4 tokens" in text and "a: [0, 1, 2]" in text and "cpu_free=2/4" in text
+
+
+def test_a_hash_collision_never_serves_another_prompts_blocks(monkeypatch):
+    # Force every block of every prompt to the same hash: a hit must still be confirmed against the
+    # block's own tokens, so b (different tokens) gets nothing from a, and a copy of a gets a's block.
+    import minicb.block_manager as block_manager
+
+    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: 42)
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_req("a", range(9))
+    bm.allocate(a, 9)
+    computed(bm, a, 9)
+    assert bm.cached == {42: 0}  # a's first block holds the (colliding) hash
+    assert bm.find_cached_prefix(make_req("b", [7, 7, 7, 7, 7])) == []  # same hash, other tokens: a miss
+    assert bm.find_cached_prefix(make_req("a2", list(range(4)) + [1])) == [0]  # same tokens: a hit
+    bm.check_invariants()
