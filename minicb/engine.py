@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, kv_bytes_per_token
 from .loader import LoadedModel, load_model
 from .cpu_kernels import prepack_for_cpu
@@ -66,7 +67,7 @@ class Engine:
 
             self.runner.graph_runner = DecodeGraphRunner(self.runner)
         self.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
-        self.detokenize_every_step = True  # streaming wants text as it grows; generate() does not
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # request id -> its growing text
         self._next_id = 0  # for request ids chosen by the engine
         self._num_added = 0  # arrival order (FIFO key)
 
@@ -96,6 +97,8 @@ class Engine:
                       eos_token_ids=self.eos_token_ids, prompt=prompt if isinstance(prompt, str) else None)
         req.metrics.arrival_time = time.perf_counter()
         self.scheduler.add_request(req)
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         self._num_added += 1
         return request_id
 
@@ -151,6 +154,8 @@ class Engine:
         finished = self.scheduler.take_finished()
         got_token = {req.request_id for req in touched}
         outputs += [self._output(req, []) for req in finished if req.request_id not in got_token]
+        for req in finished:  # their last output is made: the text is complete
+            self._detokenizers.pop(req.request_id, None)
         if self.config.record_trace:
             self.trace.record(self.scheduler, out, finished, self.runner.last_graph_bucket, now - t0)
         return outputs
@@ -158,9 +163,12 @@ class Engine:
     def _output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
         """A snapshot of `req` for the user (copies: later steps never change it)."""
         out_ids = req.output_token_ids
+        detokenizer = self._detokenizers.get(req.request_id)
         text = ""
-        if self.tokenizer is not None and req.error is None and (req.is_finished or self.detokenize_every_step):
-            text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+        if detokenizer is not None:
+            if new_token_ids or req.is_finished:
+                detokenizer.add(new_token_ids, finished=req.is_finished)
+            text = detokenizer.text
         sample = CompletionOutput(index=0, text=text, token_ids=out_ids, finish_reason=req.finish_reason,
                                   stop_reason=req.stop_reason, new_token_ids=new_token_ids)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, [sample],
@@ -233,7 +241,6 @@ class LLM:
         priority: one int per prompt, the lowest served first (needs scheduling_policy="priority")."""
         ids = self._add_all(prompts, sampling_params, priority)
         results: dict[str, RequestOutput] = {}
-        self.engine.detokenize_every_step = False
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -251,7 +258,6 @@ class LLM:
                 if bar is not None:
                     bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
         finally:
-            self.engine.detokenize_every_step = True
             if bar is not None:
                 bar.close()
             for rid in ids:  # interrupted (e.g. Ctrl-C): do not leave requests holding blocks

@@ -3,22 +3,32 @@
 The block pictures rebuild the KV pool of every step from the trace (viz.block_views); the
 strongest check here is that this rebuild agrees, step by step, with the block manager's own
 free and cached counts recorded in the trace, under preemption, swapping and prefix sharing.
+The drawing tests read back what a figure holds (image cells, rectangles, bar and line data)
+and compare it with the trace, not only that a Figure came back.
 """
 
+import ast
+import inspect
+import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from minicb import viz, viz_charts, viz_widgets  # noqa: E402
+from minicb import viz  # noqa: E402
 from minicb.config import EngineConfig  # noqa: E402
 from minicb.sim import SimRequest, simulate  # noqa: E402
+from minicb.viz import figures, style, widgets  # noqa: E402
 
 SYSTEM = list(range(500, 512))  # a 12-token shared prefix = 3 full blocks of 4
+WHITE = (1.0, 1.0, 1.0, 1.0)
 
 
 def scenario(name):
@@ -54,6 +64,21 @@ SCENARIOS = ["static", "continuous", "recompute", "swap", "prefix", "priority", 
 @pytest.fixture(scope="module")
 def runs():
     return {name: scenario(name) for name in SCENARIOS}
+
+
+def cell(img, row, col):
+    return tuple(float(c) for c in img[row, col])
+
+
+def drawn_spans(ax):
+    """request_timeline's bars read back: {row: [(phase, first step, last step), ...]}."""
+    phase_of = {colour: phase for phase, colour in viz.charts.PHASES.items()}
+    spans = {}
+    for bar in ax.collections:
+        (x0, y0), (x1, y1) = bar.get_paths()[0].vertices.min(0), bar.get_paths()[0].vertices.max(0)
+        phase = phase_of[to_hex(bar.get_facecolor()[0], keep_alpha=False)]
+        spans.setdefault(round((y0 + y1) / 2), []).append((phase, round(x0 + 0.5), round(x1 - 0.5)))
+    return spans
 
 
 def test_scenarios_exercise_what_they_claim(runs):
@@ -125,43 +150,159 @@ def test_slot_occupancy_draws_each_row_once(runs):
     assert busy == len(rows)
 
 
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_slot_occupancy_cells_hold_the_scheduled_request(runs, name):
+    t = runs[name].trace
+    ax = viz.slot_occupancy(t).axes[0]
+    colors, img = style.trace_colors(t), ax.images[0].get_array()
+    ran = {(rec.step, r.slot): r.request_id for rec in t for r in rec.rows}
+    for j, rec in enumerate(t):
+        for slot in range(t.max_num_seqs):
+            rid = ran.get((rec.step, slot))
+            assert cell(img, slot, j) == (tuple(colors[rid]) if rid else WHITE), (rec.step, slot)
+    prefill = {(rec.step - 0.5, r.slot - 0.5) for rec in t for r in rec.rows if r.is_prefill}
+    assert {tuple(p.get_xy()) for p in ax.patches if p.get_hatch()} == prefill
+    for label in ax.texts:  # a label sits on a cell of its request (mid-stretch labels between two)
+        x, slot = label.get_position()
+        assert {ran.get((s, slot)) for s in {int(np.floor(x)), int(np.ceil(x))}} == {label.get_text()}
+
+
+def test_slot_occupancy_static_leaves_slots_idle_until_the_batch_ends(runs):
+    # A and B finish in step 4. Static: slots 0 and 1 idle in steps 5..10, E and F start in 11.
+    # Continuous: E and F take those slots in step 5.
+    static, cont = (viz.slot_occupancy(runs[n].trace).axes[0].images[0].get_array() for n in ("static", "continuous"))
+    colors = style.trace_colors(runs["static"].trace)
+    assert all(cell(static, s, j) == WHITE for s in (0, 1) for j in range(4, 10))
+    assert cell(static, 0, 10) == tuple(colors["E"]) and cell(static, 1, 10) == tuple(colors["F"])
+    assert cell(cont, 0, 4) == tuple(colors["E"]) and cell(cont, 1, 4) == tuple(colors["F"])
+    assert static.shape[1] == 14 and cont.shape[1] == 10
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_memory_map_colours_every_block_by_its_owner(runs, name):
+    t = runs[name].trace
+    ax = viz.memory_map(t).axes[0]
+    img, colors, views = ax.images[0].get_array(), style.trace_colors(t), viz.block_views(t)
+    for j, v in enumerate(views):
+        for b in range(img.shape[0]):
+            if b in v.owners:  # the owner's hue, pale while reserved and not yet written
+                expected = (*colors[v.owners[b][0]][:3], 0.3 + 0.7 * v.filled[b] / t.block_size)
+            else:
+                expected = viz.CACHED if b in v.cached else WHITE
+            assert cell(img, b, j) == pytest.approx(expected), (v.step, b)
+    dots = {(v.step, b) for v in views for b, rids in v.owners.items() if len(rids) > 1}
+    drawn = [line for line in ax.lines if line.get_marker() == "."]
+    assert {(x, y) for line in drawn for x, y in zip(line.get_xdata(), line.get_ydata())} == dots
+    for field, (marker, color, _) in viz.EVENTS.items():
+        steps = [rec.step for rec in t if getattr(rec, field)]
+        marks = [line for line in ax.lines if line.get_marker() == marker and line.get_color() == color]
+        assert [list(line.get_xdata()) for line in marks] == ([steps] if steps else [])
+
+
+def test_memory_map_of_a_shared_prefix(runs):
+    # Step 3 (column 2): blocks 0-2 hold the system prompt for requests 0, 1, 2 (dots); requests 1
+    # and 2 hold 3 and 2 computed tokens of their own 4-token blocks 4 and 5.
+    ax = viz.memory_map(runs["prefix"].trace).axes[0]
+    img = ax.images[0].get_array()
+    assert [float(img[b, 2, 3]) for b in (3, 4, 5)] == pytest.approx([1.0, 0.3 + 0.7 * 3 / 4, 0.3 + 0.7 * 2 / 4])
+    dots = {(x, y) for x, y in zip(ax.lines[0].get_xdata(), ax.lines[0].get_ydata())}
+    assert {b for s, b in dots if s == 3} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_block_grid_draws_fill_frames_and_cache(runs, name):
+    t = runs[name].trace
+    rec = t.steps[len(t) // 2]
+    v = viz.block_views(t)[len(t) // 2]
+    ax = viz.block_grid(t, rec.step, ncols=8).axes[0]
+    colors, at = style.trace_colors(t), {}
+    for p in ax.patches:  # each box: pale backing and fill (held blocks only), then the frame on top
+        at.setdefault(tuple(p.get_xy()), []).append(p)
+    for (x, y), boxes in at.items():
+        b, frame = int(y) * 8 + int(x), boxes[-1]
+        assert frame.get_linewidth() == (2.5 if len(v.owners.get(b, ())) > 1 else 0.6), (rec.step, b)
+        assert tuple(frame.get_facecolor()) == (viz.CACHED if b in v.cached else (0, 0, 0, 0))
+        if b in v.owners:
+            fill = boxes[1]
+            assert fill.get_width() == v.filled[b] / t.block_size
+            assert tuple(fill.get_facecolor()) == tuple(colors[v.owners[b][0]])
+        else:
+            assert len(boxes) == 1
+    assert {int(y) * 8 + int(x) for x, y in at} == set(range(len(at)))
+
+
+def test_block_grid_labels_shared_blocks(runs):
+    ax = viz.block_grid(runs["prefix"].trace, 3).axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert texts.count("0+1+2\nref 3") == 3 and {"0", "1", "2"} <= set(texts)
+    assert {f"#{b}" for b in range(16)} <= set(texts)
+    assert ax.get_title() == "KV blocks in step 3: 6 held (3 shared), 0 free+cached, 10 free"
+
+
 def test_timeline_phases_follow_the_trace(runs):
     res = runs["recompute"]
     victim = next(i for i, r in enumerate(res.requests) if r.num_preemptions)
-    rid, spans = viz_charts._phases(res.requests[victim], victim, viz_charts._running_states(res.trace))
+    spans = drawn_spans(viz.request_timeline(res.requests, trace=res.trace).axes[0])[victim]
     states = [s for s, *_ in spans]
     assert states[0] == "prefill" and "paused" in states and states[-1] == "decode"
-    ran = {rec.step for rec in res.trace for row in rec.rows if row.request_id == rid}
-    paused = {k for s, a, b in spans if s == "paused" for k in range(a, b + 1)}
     r = res.requests[victim]
+    ran = {rec.step for rec in res.trace for row in rec.rows if row.request_id == r.request_id}
+    paused = {k for s, a, b in spans if s == "paused" for k in range(a, b + 1)}
     assert paused == set(range(r.first_token_step, r.finish_step + 1)) - ran
-    # Without a trace the same request is drawn from its four step numbers only.
-    _, coarse = viz_charts._phases(r, victim, None)
+    # Without a trace the same request is drawn from its four step numbers only, and labelled.
+    ax = viz.request_timeline(res.requests).axes[0]
+    coarse = drawn_spans(ax)[victim]
     assert coarse[0] == ("prefill", 1, 1) and coarse[-1] == ("decode", 2, r.finish_step)
+    assert f"preempted x{r.num_preemptions}" in [t.get_text() for t in ax.texts]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_timeline_bars_cover_every_step_of_every_request(runs, name):
+    res = runs[name]
+    spans = drawn_spans(viz.request_timeline(res.requests, trace=res.trace).axes[0])
+    for i, r in enumerate(res.requests):
+        ran = {rec.step: "prefill" if row.is_prefill else "decode"
+               for rec in res.trace for row in rec.rows if row.request_id == r.request_id}
+        expected = {s: ran.get(s, "waiting" if s < min(ran) else "paused")
+                    for s in range(max(r.arrival_step, 1), r.finish_step + 1)}
+        assert {s: phase for phase, a, b in spans[i] for s in range(a, b + 1)} == expected, r.request_id
 
 
 def test_timeline_accepts_dicts_and_shows_waiting():
     reqs = [dict(request_id="x", arrival_step=1, admitted_step=3, first_token_step=3, finish_step=6),
             dict(request_id="y", arrival_step=2, admitted_step=2, first_token_step=4, finish_step=4)]
-    assert viz_charts._phases(reqs[0], 0, None)[1] == [("waiting", 1, 2), ("prefill", 3, 3), ("decode", 4, 6)]
-    assert viz_charts._phases(reqs[1], 1, None)[1] == [("prefill", 2, 4)]
-    fig = viz.request_timeline(reqs)
-    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["x", "y"]
+    ax = viz.request_timeline(reqs).axes[0]
+    assert drawn_spans(ax) == {0: [("waiting", 1, 2), ("prefill", 3, 3), ("decode", 4, 6)],
+                               1: [("prefill", 2, 4)]}
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["x", "y"]
 
 
 def test_latency_distributions_one_panel_per_metric():
-    fig = viz.latency_distributions({"fifo": {"TTFT": [1, 2, 3], "TPOT": [1.0, 1.0]},
+    fig = viz.latency_distributions({"fifo": {"TTFT": [3, 1, 2], "TPOT": [1.0, 1.0]},
                                      "sjf": {"TTFT": [1, 1, 9]}}, unit="steps")
     assert [ax.get_title() for ax in fig.axes] == ["TTFT", "TPOT"]
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels[0].startswith("fifo (p50 2") and labels[1].startswith("sjf (p50 1")
+    fifo, sjf = fig.axes[0].lines  # a CDF: sorted samples, climbing 1/n at each
+    assert list(fifo.get_xdata()) == [1, 1, 2, 3] and list(fifo.get_ydata()) == pytest.approx([0, 1 / 3, 2 / 3, 1])
+    assert list(sjf.get_xdata()) == [1, 1, 1, 9] and len(fig.axes[1].lines) == 1
 
 
 def test_curves_and_bars():
     f = viz.curves([1, 2, 4], {"a": [1, 2, 3], "b": [1, 1, 1]}, "batch", "throughput", logx=True)
-    assert len(f.axes[0].lines) == 2
+    ax = f.axes[0]
+    assert [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines] == [([1, 2, 4], [1, 2, 3]),
+                                                                                     ([1, 2, 4], [1, 1, 1])]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b"] and ax.get_xscale() == "log"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
     b = viz.bars({"x": {"static": 500, "continuous": 500}, "y": {"static": 2750, "continuous": 650}}, "steps")
-    assert [t.get_text() for t in b.axes[0].texts] == ["500", "2750", "500", "650"]
+    ax = b.axes[0]
+    assert [t.get_text() for t in ax.texts] == ["500", "2750", "500", "650"]
+    assert [p.get_height() for p in ax.patches] == [500, 2750, 500, 650]  # series by series
+    assert [p.get_x() + p.get_width() / 2 for p in ax.patches] == pytest.approx([-0.2, 0.8, 0.2, 1.2])
+    flat = viz.bars({"a": 3.5, "b": 1}, "KiB").axes[0]
+    assert [p.get_height() for p in flat.patches] == [3.5, 1]
+    assert [t.get_text() for t in flat.get_xticklabels()] == ["a", "b"]
 
 
 def test_request_colors_distinct_and_never_grey():
@@ -173,7 +314,10 @@ def test_request_colors_distinct_and_never_grey():
 def test_same_request_same_colour_in_two_runs(runs):
     a = runs["static"].trace
     b = runs["continuous"].trace
-    assert viz._colors(a) == viz._colors(b)
+    assert style.trace_colors(a) == style.trace_colors(b)
+    # E runs in slot 0 from step 11 (static) and from step 5 (continuous): the same colour in both.
+    static, cont = (viz.slot_occupancy(t).axes[0].images[0].get_array() for t in (a, b))
+    assert cell(static, 0, 10) == cell(cont, 0, 4)
 
 
 def test_step_views_validated(runs):
@@ -186,24 +330,32 @@ def test_step_views_validated(runs):
 
 def test_step_through_falls_back_without_widgets(runs, monkeypatch):
     t = runs["swap"].trace
-    assert not viz_widgets.widgets_available()  # pytest is not a Jupyter kernel
+    assert not widgets.widgets_available()  # pytest is not a Jupyter kernel
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # and without ipywidgets installed
-    assert not viz_widgets.widgets_available()
+    assert not widgets.widgets_available()
     fig = viz.step_through(t, step=5)
     assert isinstance(fig, Figure) and "step 5" in fig.axes[1].get_title()
+    frames = [p for p in fig.axes[0].patches if p.get_linewidth() == 2 and not p.get_hatch()]
+    assert [p.get_x() for p in frames] == [4.5]  # the slots panel frames step 5
 
 
 def test_static_env_var_wins(monkeypatch):
-    monkeypatch.setattr(viz_widgets, "widgets_available", lambda: False)
+    pytest.importorskip("ipywidgets")
+    import IPython
+
+    kernel = type("Shell", (), {"kernel": object()})()  # what a Jupyter kernel's shell looks like
+    monkeypatch.setattr(IPython, "get_ipython", lambda: kernel)
+    monkeypatch.delenv("MINICB_STATIC_FIGURES", raising=False)
+    assert widgets.widgets_available()
     monkeypatch.setenv("MINICB_STATIC_FIGURES", "1")
-    t = scenario("continuous").trace
-    assert isinstance(viz.step_through(t), Figure)
+    assert not widgets.widgets_available()
+    assert isinstance(viz.step_through(scenario("continuous").trace), Figure)
 
 
 def test_slider_redraws_each_step(runs):
     pytest.importorskip("ipywidgets")
     t = runs["prefix"].trace
-    box = viz_widgets.slider(t, ("slots", "blocks"), step=2)
+    box = widgets.slider(t, ("slots", "blocks"), step=2)
     pick = box.children[0].children[1]
     record = box.children[1]
     assert "Step 2:" in record.value
@@ -215,22 +367,25 @@ def test_utilization_curves_counts_or_fractions(runs):
     t = runs["recompute"].trace
     top = viz.utilization_curves({"r": t}).axes[0]
     assert max(top.lines[0].get_ydata()) == 1.0  # 4 of 4 slots busy at the start
+    assert list(top.lines[0].get_xdata()) == [rec.step for rec in t]
     counts = viz.utilization_curves({"r": t}, normalize=False).axes[0]
     assert list(counts.lines[0].get_ydata()) == [len(rec.rows) for rec in t]
-    free = viz.utilization_curves({"r": t}).axes[1]
-    assert list(free.lines[0].get_ydata()) == [rec.num_free_blocks for rec in t]
+    free = viz.utilization_curves({"r": t, "s": runs["swap"].trace}).axes[1]
+    assert [list(line.get_ydata()) for line in free.lines] == [[rec.num_free_blocks for rec in run]
+                                                               for run in (t, runs["swap"].trace)]
 
 
 def test_compare_zooms_every_panel(runs):
     fig = viz.compare_slot_occupancy({"s": runs["static"].trace, "c": runs["continuous"].trace}, steps=(3, 7))
     panels = [ax for ax in fig.axes if ax.get_ylabel() == "slot"]
     assert len(panels) == 2 and all(ax.get_xlim() == (2.5, 7.5) for ax in panels)
+    for ax, name in zip(panels, ("static", "continuous")):  # each panel is that run's own picture
+        alone = viz.slot_occupancy(runs[name].trace).axes[0].images[0].get_array()
+        assert np.array_equal(ax.images[0].get_array(), alone) and ax.get_title().startswith(name[0])
 
 
 def test_every_registered_figure_draws(tmp_path):
     import argparse
-
-    from minicb import figures
 
     parser = argparse.ArgumentParser()
     figures.add_arguments(parser)
@@ -238,3 +393,51 @@ def test_every_registered_figure_draws(tmp_path):
     written = sorted(p.stem for p in tmp_path.glob("*.png"))
     assert written == sorted(figures.FIGURES)
     assert all(p.stat().st_size > 10_000 for p in tmp_path.glob("*.png"))
+
+
+def test_figures_count_kv_bytes_from_the_config():
+    from minicb.engine import DEFAULT_KV_CACHE_BYTES
+
+    smollm2 = figures.CONFIGS["SmolLM2-135M"]  # 30 layers, 3 KV heads of 576 / 9 = 64, float32
+    assert figures.kv_bytes(smollm2, "float32") == 2 * 30 * 3 * 64 * 4 == 46080
+    assert figures.kv_bytes(figures.CONFIGS["Llama-2-7B"]) == figures.LLAMA2_7B[1]
+    assert figures.CPU_KV_CACHE_BYTES == DEFAULT_KV_CACHE_BYTES
+    assert "728 KV blocks of 16 tokens" in figures.requests_that_fit().axes[0].get_title()
+
+
+def test_old_figures_module_reexports_every_public_name():
+    from minicb import figures as alias
+
+    public = [n for n, v in vars(figures).items() if not n.startswith("_") and not inspect.ismodule(v)
+              and getattr(v, "__module__", figures.__name__) == figures.__name__]
+    assert "relative_decode_throughput" in public and "FIGURES" in public
+    assert [n for n in public if getattr(alias, n, None) is not getattr(figures, n)] == []
+
+
+def test_importing_viz_does_not_import_torch():
+    code = "import sys, minicb.viz; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_viz_modules_import_no_cycle_and_no_private_names():
+    package = Path(viz.__file__).parent
+    imports = {}
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imports[path.stem] = {node.module or a.name for node in ast.walk(tree)  # `from .x import y` -> x
+                              if isinstance(node, ast.ImportFrom) and node.level == 1 for a in node.names}
+        reached = [a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names
+                   if a.name.startswith("_")]
+        reached += [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                    and node.attr.startswith("_") and not node.attr.startswith("__")]
+        assert reached == [], (path.name, reached)
+
+    def reaches(start, seen):
+        for mod in imports.get(start, ()):
+            if mod not in seen:
+                seen.add(mod)
+                reaches(mod, seen)
+        return seen
+
+    assert all(name not in reaches(name, set()) for name in imports), imports

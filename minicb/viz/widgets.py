@@ -3,16 +3,18 @@
 `step_figure` stacks the chosen views of one step (the slot occupancy with the step framed, the
 block grid of that step, the memory map with the step framed). `slider` wraps it in a play button
 and a slider, with the step's StepRecord printed above the picture, so a learner can watch slots
-fill and blocks change hands. Without ipywidgets, or outside a Jupyter kernel, viz.step_through
-falls back to the static figure, so notebooks still run headless and render on GitHub.
+fill and blocks change hands. `step_through` picks between them: without ipywidgets, or outside a
+Jupyter kernel, it returns the static figure, so notebooks still run headless and render on GitHub.
 """
 
 import os
 
 import matplotlib.pyplot as plt
 
-from . import viz
-from .trace import Trace
+from ..trace import Trace
+from .blocks import block_grid, memory_map
+from .slots import slot_occupancy
+from .style import step_record
 
 VIEWS = ("slots", "blocks", "memory")
 
@@ -22,16 +24,16 @@ def step_figure(trace: Trace, step: int | None = None, views=("slots", "blocks")
     bad = [v for v in views if v not in VIEWS]
     if bad or not views:
         raise ValueError(f"unknown views {bad or list(views)}; choose from {VIEWS}")
-    rec = viz._record(trace, step)
+    rec = step_record(trace, step)
     fig, axes = plt.subplots(len(views), 1, figsize=(12, 3.6 * len(views)), squeeze=False)
     plt.close(fig)  # shown when displayed, not again at the end of the cell
     for ax, view in zip(axes[:, 0], views):
         if view == "slots":
-            viz.slot_occupancy(trace, ax=ax, highlight_step=rec.step)
+            slot_occupancy(trace, ax=ax, highlight_step=rec.step)
         elif view == "blocks":
-            viz.block_grid(trace, rec.step, ax=ax)
+            block_grid(trace, rec.step, ax=ax)
         else:
-            viz.memory_map(trace, ax=ax, highlight_step=rec.step)
+            memory_map(trace, ax=ax, highlight_step=rec.step)
     fig.tight_layout()
     return fig
 
@@ -63,7 +65,7 @@ def slider(trace: Trace, views=("slots", "blocks"), step: int | None = None):
     out = w.Output()
 
     def draw(change=None):
-        rec = viz._record(trace, pick.value)
+        rec = step_record(trace, pick.value)
         record.value = f"<pre style='font-size:11px;margin:0'>{rec!r}</pre>"
         with out:
             out.clear_output(wait=True)
@@ -72,3 +74,12 @@ def slider(trace: Trace, views=("slots", "blocks"), step: int | None = None):
     pick.observe(draw, names="value")
     draw()
     return w.VBox([w.HBox([play, pick]), record, out])
+
+
+def step_through(trace: Trace, views=("slots", "blocks"), step: int | None = None):
+    """A slider over the steps redrawing `views` ("slots", "blocks", "memory") together, in Jupyter
+    with ipywidgets; anywhere else (a script, a headless run, MINICB_STATIC_FIGURES=1) the static
+    figure of `step` (default: the last step)."""
+    if widgets_available():
+        return slider(trace, views, step)
+    return step_figure(trace, step, views)

@@ -1,6 +1,7 @@
-"""Charts of requests and of numbers, in the style of minicb.viz (which re-exports all four).
+"""Charts of requests and of numbers.
 
-  request_timeline        one bar per request: waiting, prefill, decode, and 'paused' after a preemption
+  request_timeline        one bar per request: waiting, prefill, decode, and 'paused' after a
+                          preemption or swap (the request's life as a user sees it: TTFT, latency)
   latency_distributions   CDFs of per-request latencies (TTFT, TPOT, ...) for several runs
   curves, bars            lines y(x) and labelled bars for the notebooks' back-of-envelope models
                           (throughput against batch size, bytes per token, waste against block size)
@@ -12,23 +13,15 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
-from .metrics import percentile
-from .trace import Trace
+from ..metrics import percentile
+from ..trace import Trace
+from .style import new_axes
 
 PHASES = {"waiting": "#d4d4d4", "prefill": "#f28e2b", "decode": "#4e79a7", "paused": "#e15759"}
 
 
-def _axes(ax, figsize):
-    """(fig, ax, created): a new figure unless the caller passed an axes to draw into. It is closed at
-    once: a notebook shows it when it is displayed, not a second time at the end of the cell."""
-    if ax is not None:
-        return ax.figure, ax, False
-    fig, ax = plt.subplots(figsize=figsize)
-    plt.close(fig)
-    return fig, ax, True
-
-
 def _field(r, name):
+    """A request's field whether it is a SimRequestResult-like object or a plain dict."""
     return r.get(name) if isinstance(r, dict) else getattr(r, name, None)
 
 
@@ -70,13 +63,13 @@ def request_timeline(requests, title: str | None = None, ax=None, trace: Trace |
     """One bar per request (SimResult.requests or dicts with arrival_step, admitted_step,
     first_token_step, finish_step). With `trace`, the bar follows the request step by step and
     shows the steps it sat out after a preemption or swap ('paused')."""
-    fig, ax, own = _axes(ax, (10, 1.2 + 0.3 * min(len(requests), 40)))
+    fig, ax, own = new_axes(ax, (10, 1.2 + 0.3 * min(len(requests), 40)))
     states = _running_states(trace)
     labels, used = [], set()
     for i, r in enumerate(requests):
         rid, spans = _phases(r, i, states)
         labels.append(rid)
-        for state, a, b in spans:
+        for state, a, b in spans:  # steps a..b: a bar from a - 0.5 to b + 0.5, centred on the steps
             used.add(state)
             ax.broken_barh([(a - 0.5, b - a + 1)], (i - 0.4, 0.8), facecolors=PHASES[state],
                            hatch="//" if state == "paused" else None, edgecolor="white", linewidth=0.3)
@@ -102,7 +95,7 @@ def latency_distributions(samples: dict[str, dict[str, list[float]]], title: str
     for ax, metric in zip(axes[0], metrics):
         for label, per_run in samples.items():
             xs = sorted(x for x in per_run.get(metric, ()) if x is not None)
-            if xs:
+            if xs:  # the CDF starts at 0 on the smallest sample and climbs 1/n at each one
                 ax.step([xs[0], *xs], np.arange(len(xs) + 1) / len(xs), where="post",
                         label=f"{label} (p50 {percentile(xs, 50):.3g}, p99 {percentile(xs, 99):.3g})")
         ax.set(xlabel=f"{metric} ({unit})", ylabel="fraction of samples <= x", ylim=(0, 1.02), title=metric)
@@ -116,7 +109,7 @@ def latency_distributions(samples: dict[str, dict[str, list[float]]], title: str
 def curves(x, ys: dict[str, list[float]], xlabel: str, ylabel: str, title: str | None = None, ax=None,
            logx: bool = False, logy: bool = False):
     """Lines y(x), one per label: for the notebooks' models (throughput vs batch size, waste vs block size)."""
-    fig, ax, own = _axes(ax, (7, 4))
+    fig, ax, own = new_axes(ax, (7, 4))
     for label, y in ys.items():
         ax.plot(x, y, marker="o", markersize=3.5, label=label)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title or "")
@@ -137,8 +130,8 @@ def bars(values: dict[str, float] | dict[str, dict[str, float]], ylabel: str, ti
     """Bars with their values written on top; a dict of dicts gives groups ({group: {series: v}})."""
     groups = {k: (v if isinstance(v, dict) else {"": v}) for k, v in values.items()}
     series = list(dict.fromkeys(s for g in groups.values() for s in g))
-    fig, ax, own = _axes(ax, (min(11, max(5, 1 + len(groups) * (1.2 + 0.6 * (len(series) - 1)))), 4))
-    width = 0.8 / len(series)
+    fig, ax, own = new_axes(ax, (min(11, max(5, 1 + len(groups) * (1.2 + 0.6 * (len(series) - 1)))), 4))
+    width = 0.8 / len(series)  # the series of a group side by side within 0.8 of the group's slot
     for j, s in enumerate(series):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
         ys = [g.get(s, 0) for g in groups.values()]

@@ -1,0 +1,30 @@
+"""Pictures of continuous batching, drawn from a Trace. Every function returns a matplotlib Figure.
+
+Time runs left to right in steps everywhere, and a request keeps its colour in every picture.
+
+  style     what every picture shares: request_colors, the CACHED grey, a fresh closed figure,
+            the frame around the current step
+  slots     slot_occupancy / compare_slot_occupancy: slots x steps, who ran where (prefill
+            hatched, idle blank); utilization_curves: busy slots and free blocks per step
+  blocks    block_views: the paged KV pool of every step rebuilt from the trace; memory_map
+            (blocks x steps) and block_grid (one step): owner, fill, shared and cached blocks
+  charts    request_timeline: one bar per request (waiting, prefill, decode, paused);
+            latency_distributions: CDFs of TTFT / TPOT; curves / bars: back-of-envelope models
+  widgets   step_through: a slider over the steps (ipywidgets), or the static figure headless
+  figures   FIGURES, the registry behind `python -m minicb figures` (imported on its own, not here)
+
+Figures are made with pyplot and closed at once: a notebook then shows a figure exactly when it
+displays it (no second copy at the end of the cell) and loops do not pile up open figures.
+The package imports no torch: it draws traces from the simulator as well as from the engine.
+"""
+
+from ..trace import Trace
+from .blocks import EVENTS, BlockView, block_grid, block_views, memory_map
+from .charts import bars, curves, latency_distributions, request_timeline
+from .slots import compare_slot_occupancy, slot_occupancy, utilization_curves
+from .style import CACHED, request_colors
+from .widgets import step_through
+
+__all__ = ["Trace", "CACHED", "EVENTS", "BlockView", "block_views", "memory_map", "block_grid",
+           "slot_occupancy", "compare_slot_occupancy", "utilization_curves", "request_timeline",
+           "latency_distributions", "curves", "bars", "request_colors", "step_through"]
