@@ -241,3 +241,12 @@ def test_embedded_model_loads_and_caches(monkeypatch, tmp_path):
                                      tokenize=False)
     assert prompt.endswith("<|im_start|>assistant\n")
     assert tok.decode(tok("The capital of France")["input_ids"]) == "The capital of France"
+
+
+def test_a_hub_id_is_never_mapped_to_the_embedded_weights(monkeypatch):
+    # Only "SmolLM2-135M-Instruct" (or no name) means the embedded, re-quantized GGUF weights; the hub
+    # id of the same model is the hub's weights, so offline and uncached it is an error, not a swap.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", "/nonexistent-minicb-test-cache")
+    with pytest.raises(OSError, match="HuggingFaceTB/SmolLM2-135M-Instruct"):
+        load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
