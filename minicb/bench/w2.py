@@ -4,7 +4,7 @@ decode_latency_by_bucket: one decode step (input copy + forward + sampling) for 
 bucket, eager vs replayed from a CUDA graph. Small batches are launch-bound, so graphs should
 win most there; large batches are compute-bound and the two converge.
 
-run_w2: the nano-vllm / vLLM offline workload (see the project's bench-workloads page):
+run_w2: the nano-vllm / vLLM offline workload (defined in minicb/bench/__init__.py):
 256 requests, prompt and output lengths uniform in 100..1024, random token ids, EOS ignored,
 Qwen3-0.6B; throughput counts output tokens only. Run it with and without graphs:
 

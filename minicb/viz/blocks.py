@@ -16,6 +16,7 @@ import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
+from ..config import cdiv
 from ..trace import Trace
 from .style import CACHED, IDLE, frame_step, new_axes, step_record, steps_extent, trace_colors
 
@@ -118,7 +119,7 @@ def block_grid(trace: Trace, step: int | None, title: str | None = None, ax=None
     v = views[trace.steps.index(rec)]
     n = _num_shown(trace, views, max_blocks)
     ncols = ncols or (8 if n <= 64 else 16 if n <= 256 else 32)
-    nrows = -(-n // ncols)
+    nrows = cdiv(n, ncols)
     fig, ax, own = new_axes(ax, (min(14, 1 + 0.9 * ncols), 1.2 + 0.7 * nrows))
     for b in range(n):
         y, x = divmod(b, ncols)  # block ids row by row, #0 top left

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from .. import viz
-from ..config import EngineConfig
+from ..config import EngineConfig, cdiv
 from ..sim import SimRequest, simulate
 
 BURNERS = tuple(zip("ABCDEF", (4, 4, 10, 10, 4, 4)))  # keep-the-burners-busy.txt, section 3
@@ -141,7 +141,7 @@ def kv_bytes_per_token_figure():
 
 def reservation_waste():
     used = {"A (500 tokens)": 500, "B (50 tokens)": 50}
-    return viz.bars({k: {"contiguous 8K reservation": 8000, "paged, 16-token blocks": -(-n // 16) * 16,
+    return viz.bars({k: {"contiguous 8K reservation": 8000, "paged, 16-token blocks": cdiv(n, 16) * 16,
                          "tokens stored": n} for k, n in used.items()},
                     "KV token positions (log scale)", logy=True,
                     title="Reserved vs used KV token positions (iteration-level-scheduling example)")
@@ -167,7 +167,7 @@ def fragmentation():
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
     def waste(lengths, bs):
-        alloc = sum(-(-n // bs) * bs for n in lengths)
+        alloc = sum(cdiv(n, bs) * bs for n in lengths)
         return 100 * (alloc - sum(lengths)) / alloc
 
     return viz.curves(sizes, {"workload of notebook 01 (100-1000 tokens)": [waste(lens, b) for b in sizes],
