@@ -62,8 +62,7 @@ def imports(name: str, path: Path, top_level_only: bool = True) -> set[str]:
 
 
 def engine_modules() -> list[str]:
-    return [m for m in modules() if not m.startswith(SURFACE) and m not in ("__main__", "__init__")
-            and not m.endswith("_alias")]
+    return [m for m in modules() if not m.startswith(SURFACE) and m not in ("__main__", "__init__")]
 
 
 def surface_imports_in_engine() -> list[str]:

@@ -1,15 +1,15 @@
 """minicb: a small continuous-batching LLM inference engine, written to be read.
 
-The pure-Python core (config, request, sampling, block_manager, scheduler, trace, sim) imports
-no torch; `LLM` and `Engine` (the torch side) are imported on first use, so that
+The pure-Python core (config, request, sampling_params, block_manager, scheduler, scheduler_output,
+trace, sim) imports no torch; `LLM` and `Engine` (the torch side) are imported on first use, so that
 `from minicb.sim import simulate` works in milliseconds without a model.
 """
 
 from .config import EngineConfig
-from .request import RequestOutput, RequestStatus
+from .request import CompletionOutput, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestStatus"]
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestStatus"]
 __version__ = "0.1.0"
 
 

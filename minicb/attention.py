@@ -125,7 +125,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sli
     k = k_cache.index_select(0, flat_tables).view(batch, max_len, kv_heads, head_dim)
     v = v_cache.index_select(0, flat_tables).view(batch, max_len, kv_heads, head_dim)
 
-    # Slot t of the gathered rows holds absolute position t; only positions < context_len are this
+    # Position t of the gathered rows holds absolute position t; only positions < context_len are this
     # sequence's (the rest are the tail of its last block, or sink padding).
     positions = torch.arange(max_len, device=q.device)
     allowed = positions < context_lens[:, None]  # (B, max_len)

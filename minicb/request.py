@@ -67,7 +67,7 @@ class Request:
         self.token_ids = list(prompt_token_ids)  # prompt + generated, grows by one per sample
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.priority = priority
+        self.priority = priority  # scheduling_policy="priority" serves the lowest value first, as vLLM
         self.arrival_index = arrival_index  # order of arrival: FIFO key and tie-breaker
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache (0 again after recompute)

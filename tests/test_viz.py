@@ -8,7 +8,6 @@ and compare it with the trace, not only that a Figure came back.
 """
 
 import ast
-import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -403,15 +402,6 @@ def test_figures_count_kv_bytes_from_the_config():
     assert figures.kv_bytes(figures.CONFIGS["Llama-2-7B"]) == figures.LLAMA2_7B[1]
     assert figures.CPU_KV_CACHE_BYTES == DEFAULT_KV_CACHE_BYTES
     assert "728 KV blocks of 16 tokens" in figures.requests_that_fit().axes[0].get_title()
-
-
-def test_old_figures_module_reexports_every_public_name():
-    from minicb import figures as alias
-
-    public = [n for n, v in vars(figures).items() if not n.startswith("_") and not inspect.ismodule(v)
-              and getattr(v, "__module__", figures.__name__) == figures.__name__]
-    assert "relative_decode_throughput" in public and "FIGURES" in public
-    assert [n for n in public if getattr(alias, n, None) is not getattr(figures, n)] == []
 
 
 def test_importing_viz_does_not_import_torch():
