@@ -173,11 +173,13 @@ class Scheduler:
         bm, rows = self.block_manager, {}
         ranked = sorted(self.running, key=self.policy_key)
         decoding = [r for r in ranked if r.num_tokens - r.num_computed_tokens == 1]
-        for req in decoding + [r for r in ranked if r not in decoding]:
+        for req in decoding + [r for r in ranked if r.num_tokens - r.num_computed_tokens > 1]:
             if budget == 0:
                 break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            if req.status != RequestStatus.RUNNING or num_new == 0:  # preempted above, or must wait
+            if num_new == 0:  # it must wait for a larger budget
                 continue
             while not bm.can_allocate(req.request_id, req.num_computed_tokens + num_new):
                 victim = self._lowest_ranked_running()
