@@ -1,5 +1,6 @@
-"""Shared helpers of the server tests: a running server on loopback with a sync client, and the
-offline reference its outputs are compared with. Every wait below is bounded in time."""
+"""Shared helpers of the server tests: a running server on loopback with a sync client, the
+offline reference its outputs are compared with, and the one-thread fixture (a test module that
+imports `one_torch_thread` gets it). Every wait below is bounded in time."""
 
 import json
 import socket
@@ -7,6 +8,8 @@ import time
 from contextlib import ExitStack, contextmanager
 
 import httpx
+import pytest
+import torch
 
 from minicb import LLM, Engine, EngineConfig
 from minicb.serve.app import build_app
@@ -62,3 +65,14 @@ def sse_events(response) -> list:
     events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP threads
+    # that wait for each other can stretch a ~1 ms step to ~50 ms.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+

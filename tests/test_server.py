@@ -16,17 +16,7 @@ import torch
 from minicb import SamplingParams
 from minicb.loader import load_model, save_tiny_model
 from reference import add_word_tokenizer
-from serving import CONFIG, MAX_LEN, NODELAY, Served, reference, serve, sse_events
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP threads
-    # that wait for each other can stretch a ~1 ms step to ~50 ms.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from serving import CONFIG, MAX_LEN, NODELAY, Served, one_torch_thread, reference, serve, sse_events  # noqa: F401
 
 
 @pytest.fixture(scope="module")

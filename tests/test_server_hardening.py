@@ -16,17 +16,9 @@ import torch
 from minicb import SamplingParams
 from minicb.loader import load_model, save_tiny_model
 from reference import add_word_tokenizer
-from serving import CONFIG, reference, serve, sse_events
+from serving import CONFIG, one_torch_thread, reference, serve, sse_events  # noqa: F401
 
 MAX_LEN = 256
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
