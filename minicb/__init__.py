@@ -14,8 +14,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    if name in ("LLM", "Engine"):
-        from . import engine
+    if name == "LLM":
+        from .llm import LLM
 
-        return getattr(engine, name)
+        return LLM
+    if name == "Engine":
+        from .engine import Engine
+
+        return Engine
     raise AttributeError(f"module 'minicb' has no attribute {name!r}")

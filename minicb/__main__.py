@@ -24,7 +24,7 @@ DEMO_PROMPTS = [
 
 def cmd_demo(args):
     from minicb import LLM, SamplingParams
-    from minicb.engine import chat_token_ids
+    from minicb.llm import chat_token_ids
     from minicb.loader import load_model
     from minicb.viz import slot_occupancy
 
@@ -66,7 +66,8 @@ def cmd_demo(args):
 
 def cmd_generate(args):
     from minicb import LLM, SamplingParams
-    from minicb.engine import chat_token_ids, text_delta
+    from minicb.detokenizer import text_delta
+    from minicb.llm import chat_token_ids
 
     # Validate before the model loads, so a bad value fails in a second, not after the load.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

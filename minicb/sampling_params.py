@@ -21,6 +21,8 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     seed: int | None = None  # per-request generator: same tokens whatever else is in the batch
     stop_token_ids: tuple[int, ...] | None = None  # extra tokens that end the request ("stop")
+    stop: tuple[str, ...] | None = None  # strings that end it, found in the text; not shown (vLLM's)
+    include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
     ignore_eos: bool = False  # keep generating past EOS (benchmarks want exact lengths)
 
     def __post_init__(self):
@@ -45,3 +47,8 @@ class SamplingParams:
             if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in ids):
                 raise ValueError(f"stop_token_ids must be integers in [0, 2**63 - 1], got {self.stop_token_ids!r}")
             object.__setattr__(self, "stop_token_ids", ids)  # a list given by the user becomes a tuple
+        if self.stop is not None:
+            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+            if not all(isinstance(s, str) and s for s in stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            object.__setattr__(self, "stop", stop)

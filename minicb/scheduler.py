@@ -52,7 +52,7 @@ class Scheduler:
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
         """Remove a request in any state and free all it holds. Returns it, or None if unknown.
-        `status` is FINISHED_ABORTED (the user asked) or FINISHED_ERROR (its own inputs failed)."""
+        `status`: FINISHED_ABORTED (asked), FINISHED_ERROR (its inputs failed), FINISHED_STOPPED (stop string)."""
         req = self.requests.get(request_id)
         if req is None:
             return None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minicb import LLM, SamplingParams
-from minicb.engine import chat_token_ids
+from minicb.llm import chat_token_ids
 from minicb.loader import DEFAULT_MODEL, cache_dir, load_model
 
 pytestmark = pytest.mark.slow

@@ -174,7 +174,8 @@ BAD_COMPLETIONS = [  # (body, status, words in the message, param)
     ({"prompt": [3], "seed": "x"}, 400, "'seed': Input should be a valid integer", "seed"),
     ({"prompt": [3], "stream": "yes"}, 400, "'stream': Input should be a valid boolean", "stream"),
     ({"prompt": [3], "n": 2}, 400, "'n' is not supported", "n"),
-    ({"prompt": [3], "stop": ["\n"]}, 400, "'stop' is not supported", "stop"),
+    ({"prompt": [3], "stop": ["\n"]}, 400, "stop strings are found in text", None),  # no tokenizer
+    ({"prompt": [3], "stop": [""]}, 400, "'stop'", "stop"),
     ({"prompt": [3], "priority": 3}, 400, "scheduling_policy='priority'", None),
     ({"prompt": [3], "model": "gpt-4"}, 404, "is not served here", "model"),
     # The fuzzing report's findings (issue 21): each a clear 400, nothing reaches the engine.
@@ -350,3 +351,24 @@ def test_embedded_model_chat_stream_matches(tmp_path):
         chunks = stream_completion(s, "/v1/chat/completions", body)
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
         s.wait_idle()
+
+
+def test_stop_strings_over_http(chat_server):
+    # Both endpoints, streamed and not: the text ends before the stop string, finish_reason "stop",
+    # and the joined stream equals the whole reply.
+    free = chat_server.http.post("/v1/completions", json={"prompt": "w40 w41", "max_tokens": 10, "temperature": 0,
+                                                          "ignore_eos": True}).json()["choices"][0]["text"]
+    words = free.split()
+    stop = next(w for i, w in enumerate(words) if i >= 2 and w not in words[:i])
+    for path, body in (("/v1/completions", {"prompt": "w40 w41"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w40 w41"}]})):
+        body = {**body, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+        whole = chat_server.http.post(path, json=body).json()["choices"][0]
+        text = whole["text"] if "text" in whole else whole["message"]["content"]
+        assert whole["finish_reason"] == "stop" and stop not in text
+        pieces = stream_completion(chat_server, path, body)
+        joined = "".join(p["choices"][0]["text"] if "text" in p["choices"][0] else
+                         p["choices"][0]["delta"].get("content") or "" for p in pieces)
+        assert joined == text and pieces[-1]["choices"][0]["finish_reason"] == "stop"
+        if path == "/v1/completions":  # the same prompt as the free run: cut right before the stop string
+            assert text == free[:free.index(stop)]

@@ -87,3 +87,38 @@ def test_stop_reason_names_the_users_stop_token(loaded):
                                                      stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.token_ids == free[:free.index(stop) + 1]
+
+
+def test_stop_strings_are_found_in_the_text_and_cut(loaded):
+    # vLLM's semantics: the text ends before the stop string (or after it, with
+    # include_stop_str_in_output), finish_reason is "stop", stop_reason is the string; the tokens run
+    # to the one that completed it. A stop string may span tokens.
+    from minicb.detokenizer import text_delta
+
+    llm = make(loaded)
+    greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    free = llm.generate([[9, 10, 11]], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    words = free.text.split()
+    k = next(i for i in range(2, len(words)) if words[i] not in words[:i])  # a word not seen before
+    for stop, cut_at in ((words[k], k), (" ".join(words[k - 1:k + 1]), k - 1)):  # one token, then two
+        out = llm.generate([[9, 10, 11]], SamplingParams(**greedy, stop=[stop, "never-there"]),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == free.text[:free.text.index(stop)] and stop not in out.text
+        assert out.token_ids == free.token_ids[:k + 1]
+        kept = llm.generate([[9, 10, 11]], SamplingParams(**greedy, stop=stop, include_stop_str_in_output=True),
+                            use_tqdm=False)[0].outputs[0]
+        assert kept.text == free.text[:free.text.index(stop) + len(stop)]
+        # Streamed, the text only ever grows into the final text: nothing shown (a piece of the stop
+        # string, say) is taken back later.
+        sent = ""
+        for o in llm.stream([[9, 10, 11]], SamplingParams(**greedy, stop=stop)):
+            assert out.text.startswith(o.outputs[0].text), (o.outputs[0].text, out.text)
+            sent += text_delta(sent, o.outputs[0].text, o.finished)
+        assert sent == out.text and cut_at >= 1
+
+
+def test_stop_strings_need_a_tokenizer(tmp_path):
+    llm = LLM(str(save_tiny_model(tmp_path, seed=2)), dtype="float64", block_size=4, num_blocks=16)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate([[3, 4]], SamplingParams(max_tokens=2, stop=["x"]), use_tqdm=False)

@@ -23,7 +23,7 @@ import time
 from tqdm.auto import tqdm
 
 from ..cpu_kernels import gemm_peaks
-from ..engine import chat_token_ids
+from ..llm import chat_token_ids
 from ..metrics import mean_gap, percentile, tpot
 from ..sampling_params import SamplingParams
 from .machine import PeakRSS, cpu_model
@@ -129,7 +129,7 @@ def run_hf_continuous(model, prompts, outs) -> dict:
 
 
 def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
-    from ..engine import LLM
+    from ..llm import LLM
 
     llm = LLM.from_loaded(loaded, batching=batching, **config)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
@@ -149,7 +149,7 @@ def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
 def decode_step_roofline(loaded, batch: int = 64, context: int = 100, steps: int = 10) -> dict:
     """Time one decode step at `batch` (contexts of `context` tokens): achieved FLOP/s for 2 x params
     per token, the model's arithmetic for one generated token."""
-    from ..engine import LLM
+    from ..llm import LLM
 
     llm = LLM.from_loaded(loaded, max_num_seqs=batch, max_num_batched_tokens=max(256, batch))
     eng = llm.engine

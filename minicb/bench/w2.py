@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ..engine import LLM
+from ..llm import LLM
 from ..loader import load_model
 from ..request import Request
 from ..sampling_params import SamplingParams

@@ -32,7 +32,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from ..engine import chat_token_ids, text_delta
+from ..detokenizer import text_delta
+from ..llm import chat_token_ids
 from ..sampling_params import SamplingParams
 from .engine_loop import AsyncEngine, QueueFullError, RequestStream
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,

@@ -25,7 +25,7 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 # Fields minicb does not implement: accepted only with the neutral value named here.
 UNSUPPORTED = {"n": "1", "best_of": "1", "echo": "false", "logprobs": "null, false or 0", "top_logprobs": "0",
-               "suffix": "null", "presence_penalty": "0", "frequency_penalty": "0", "stop": "null or []",
+               "suffix": "null", "presence_penalty": "0", "frequency_penalty": "0",
                "logit_bias": "null or {}", "tools": "null or []", "response_format": '{"type": "text"}'}
 
 
@@ -57,7 +57,8 @@ class SamplingFields(OpenAIModel):
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     presence_penalty: Annotated[Number, Field(ge=0, le=0)] | None = None
     frequency_penalty: Annotated[Number, Field(ge=0, le=0)] | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Annotated[StrictStr, Field(min_length=1)] | list[Annotated[StrictStr, Field(min_length=1)]] | None = None
+    include_stop_str_in_output: StrictBool = False  # vLLM's extension: keep the stop string in the text
     logit_bias: dict[StrictStr, Number] | None = None
 
     @field_validator("echo", "logprobs", check_fields=False)
@@ -65,13 +66,6 @@ class SamplingFields(OpenAIModel):
     def _false_only(cls, v):
         if v:
             raise ValueError("not supported by minicb yet")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _no_stop_strings(cls, v):
-        if v:
-            raise ValueError("stop strings are not supported by minicb yet (use stop_token_ids)")
         return v
 
     @field_validator("logit_bias")
@@ -87,7 +81,8 @@ class SamplingFields(OpenAIModel):
             max_tokens=self.max_tokens or default_max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, stop=self.stop or None,
+            include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 class CompletionRequest(SamplingFields):
