@@ -7,7 +7,6 @@
 Everything a user sees (generate, stream, the HTTP server) is this loop called again and again.
 """
 
-import dataclasses
 import logging
 import time
 
@@ -144,7 +143,7 @@ class Engine:
         now = time.perf_counter()
         outputs = []
         for req in touched:
-            req.metrics.token_times.append(now)
+            req.metrics.record_token(now)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             if req.is_finished:
@@ -189,5 +188,4 @@ class Engine:
         sample = CompletionOutput(index=0, text=text, token_ids=out_ids, finish_reason=req.finish_reason,
                                   stop_reason=req.stop_reason, new_token_ids=new_token_ids)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, [sample],
-                             req.is_finished, dataclasses.replace(req.metrics, token_times=list(req.metrics.token_times)),
-                             req.error)
+                             req.is_finished, req.metrics.snapshot(), req.error)

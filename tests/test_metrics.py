@@ -12,7 +12,9 @@ from minicb.request import CompletionOutput, RequestMetrics, RequestOutput
 
 def output(arrival, token_times, scheduled=None):
     m = RequestMetrics(arrival_time=arrival, first_scheduled_time=scheduled if scheduled is not None else arrival,
-                       first_token_time=token_times[0], finish_time=token_times[-1], token_times=list(token_times))
+                       first_token_time=token_times[0], finish_time=token_times[-1])
+    for t in token_times:
+        m.record_token(t)
     sample = CompletionOutput(0, "", list(range(len(token_times))), finish_reason="length")
     return RequestOutput("r", None, [1, 2], None, [sample], True, m)
 

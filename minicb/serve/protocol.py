@@ -157,12 +157,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class Choice(BaseModel):
+    """What every kind of choice has; each adds its text as text, message or delta."""
+
     index: int
-    text: str
     logprobs: None = None
     finish_reason: Literal["stop", "length", "abort"] | None
-    token_ids: list[int]  # minicb: the generated ids (of this chunk, when streaming)
+    token_ids: list[int] = []  # minicb: the generated ids (of this chunk, when streaming)
+
+
+class CompletionChoice(Choice):
+    text: str
 
 
 class CompletionResponse(BaseModel):
@@ -179,12 +184,8 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(Choice):
     message: ChatMessageOut
-    logprobs: None = None
-    finish_reason: Literal["stop", "length", "abort"] | None
-    token_ids: list[int]
 
 
 class ChatCompletionResponse(BaseModel):
@@ -201,12 +202,8 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
+class ChatStreamChoice(Choice):
     delta: ChatDelta
-    logprobs: None = None
-    finish_reason: Literal["stop", "length", "abort"] | None
-    token_ids: list[int] = []
 
 
 class ChatCompletionChunk(BaseModel):
