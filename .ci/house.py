@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minicb"
 ENGINE_LIMIT, FILE_LIMIT, METHOD_LIMIT = 2300, 300, 40
 # One step, as data flows: config -> requests -> scheduler (+ blocks) -> runner -> model (+ attention,
-# KV cache) -> sampler -> engine; the CUDA-graph decode is one way the runner can run the model.
+# KV cache) -> sampler -> engine; the CUDA-graph decode is one way the runner can run the model. This is
+# vLLM's engine core. What turns its tokens into a user's outputs (output_processor, outputs,
+# detokenizer: vLLM runs them in its API-server process) and the optional per-request features
+# (penalties, logprobs) are engine modules too, counted in the engine layer's total, not here.
 ONE_STEP = ["config", "request", "sampling_params", "block_manager", "scheduler", "scheduler_output",
             "model_runner", "kv_cache", "attention", "model", "sampler", "cuda_graph", "engine"]
 CORE = ["config", "request", "sampling_params", "block_manager", "scheduler", "scheduler_output", "trace", "sim"]

@@ -6,7 +6,8 @@ trace, sim) imports no torch; `LLM` and `Engine` (the torch side) are imported o
 """
 
 from .config import EngineConfig
-from .request import CompletionOutput, RequestOutput, RequestStatus
+from .outputs import CompletionOutput, RequestOutput
+from .request import RequestStatus
 from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestStatus"]

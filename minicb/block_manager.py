@@ -11,6 +11,12 @@ tokens before it. A new request whose prompt starts with the same tokens reuses 
 (the reference count goes up) and skips computing them. Freed blocks keep their hash and wait at
 the end of the free queue, so they can still be reused until the allocator hands them out again.
 
+Fork and copy-on-write: the n samples of one prompt share its blocks after the prefill (fork: the
+reference counts go up, nothing is copied). A full block is never written again, so sharing it is
+free forever; the last, partly filled block is written by every sample's next token, so the first
+sample to write into it while it is still shared gets a private copy (copy_on_write), and the last
+one left writes in place. vLLM's PagedAttention paper keeps reference counts for exactly this.
+
 Swap: a preempted request's blocks can be copied to a pool of CPU blocks and back. This class only
 keeps the books (which block goes where); the torch side (kv_cache.py) copies the bytes.
 """
@@ -50,6 +56,7 @@ class BlockManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.cpu_block_tables: dict[str, list[int]] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) device copies the runner must make
 
     # ------------------------------------------------------------------ statistics
     @property
@@ -85,8 +92,9 @@ class BlockManager:
         """Blocks already holding this request's leading tokens. At least one token is always left
         to compute (its logits are needed for the next sample), so the block holding the last
         token is never taken from the cache and no write ever lands in a shared block."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or (req.prompt_logprobs is not None
+                                               and len(req.prompt_logprobs) < req.num_prompt_tokens):
+            return []  # prompt_logprobs need every prompt token's logits: cached blocks have none
         hits, num_full = [], (req.num_tokens - 1) // self.block_size
         for i, h in enumerate(self._hashes(req, num_full)[:num_full]):  # the chain may already run further
             block = self.cached.get(h)
@@ -127,23 +135,33 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def num_blocks_needed(self, rid: str, num_tokens: int, computed_blocks: list[int] = ()) -> int:
-        """Free blocks that `allocate(rid, num_tokens, computed_blocks)` would consume."""
+    def must_copy(self, rid: str, num_computed: int) -> bool:
+        """Would the next write (at position num_computed) land in a block shared with another sample?"""
+        table, i = self.block_tables.get(rid, ()), num_computed // self.block_size
+        return num_computed % self.block_size != 0 and i < len(table) and self.ref_counts[table[i]] > 1
+
+    def num_blocks_needed(self, rid: str, num_tokens: int, computed_blocks: list[int] = (),
+                          num_computed: int = 0) -> int:
+        """Free blocks that `allocate` would consume to cover `num_tokens` tokens (with these
+        prefix-cache hits, or for a request with `num_computed` tokens in the cache)."""
         have = len(self.block_tables.get(rid, ())) + len(computed_blocks)
-        new = max(0, self.blocks_for(num_tokens) - have)
+        new = max(0, self.blocks_for(num_tokens) - have) + self.must_copy(rid, num_computed)
         if not computed_blocks:
             return new
         return new + sum(1 for b in computed_blocks if self.ref_counts[b] == 0)  # cached but free
 
-    def can_allocate(self, rid: str, num_tokens: int, computed_blocks: list[int] = ()) -> bool:
-        return self.num_blocks_needed(rid, num_tokens, computed_blocks) <= len(self.free_queue)
+    def can_allocate(self, rid: str, num_tokens: int, computed_blocks: list[int] = (), num_computed: int = 0) -> bool:
+        return self.num_blocks_needed(rid, num_tokens, computed_blocks, num_computed) <= len(self.free_queue)
 
     def allocate(self, req: Request, num_tokens: int, computed_blocks: list[int] = ()) -> None:
         """Grow `req`'s block table so it covers `num_tokens` tokens. `computed_blocks`
-        (prefix-cache hits, only when the table is new) are shared instead of allocated."""
+        (prefix-cache hits, only when the table is new) are shared instead of allocated. If the
+        next write lands in a block shared with a sibling sample, that block is copied first."""
         rid = req.request_id
-        if not self.can_allocate(rid, num_tokens, computed_blocks):  # refuse before changing anything
+        if not self.can_allocate(rid, num_tokens, computed_blocks, req.num_computed_tokens):  # refuse first
             raise RuntimeError(f"out of KV blocks for request {rid}: call can_allocate first")
+        if self.must_copy(rid, req.num_computed_tokens):
+            self.copy_on_write(rid, req.num_computed_tokens // self.block_size)
         table = self.block_tables.get(rid)
         if table is None:
             table = self.block_tables[rid] = []
@@ -157,6 +175,31 @@ class BlockManager:
             table.append(block)
         while len(table) * self.block_size < num_tokens:
             table.append(self._take_free_block())
+
+    def fork(self, parent_rid: str, child_rid: str) -> None:
+        """The child shares every block of the parent (reference counts up, nothing copied)."""
+        if child_rid in self.block_tables:
+            raise ValueError(f"request {child_rid} already has a block table: a fork makes a new one")
+        table = self.block_tables[parent_rid]
+        for block in table:
+            self.ref_counts[block] += 1
+        self.block_tables[child_rid] = list(table)
+        self.num_hashed[child_rid] = self.num_hashed[parent_rid]
+
+    def copy_on_write(self, rid: str, i: int) -> None:
+        """Give `rid` a private copy of its shared block i (the device copy goes to pending_copies)."""
+        table = self.block_tables[rid]
+        if self.ref_counts[table[i]] < 2 or not self.free_queue:  # refuse before changing anything
+            raise RuntimeError(f"block {table[i]} of request {rid} is not shared, or no block is free")
+        new = self._take_free_block()
+        self.ref_counts[table[i]] -= 1  # still >= 1: a sibling keeps it
+        self.pending_copies.append((table[i], new))
+        table[i] = new
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copies decided since the last call, for this step's SchedulerOutput.blocks_to_copy."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def _release(self, table: list[int]) -> None:
         # Tail blocks are queued first so that the shared prefix blocks, released last, are

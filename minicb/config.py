@@ -91,11 +91,13 @@ class EngineConfig:
             return None
         return cdiv(self.max_model_len, self.block_size)
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int, priority: int = 0) -> None:
+    def check_request(self, num_prompt_tokens: int, max_tokens: int, priority: int = 0, num_samples: int = 1) -> None:
         """Raise ValueError, naming the limit, if such a request could never run under this config."""
         n = num_prompt_tokens
         if n == 0:
             raise ValueError("prompt is empty: at least one token is needed")
+        if num_samples > self.max_num_seqs:  # the samples run side by side, one slot each
+            raise ValueError(f"n={num_samples} samples need {num_samples} slots, but max_num_seqs is {self.max_num_seqs}")
         if priority != 0 and self.scheduling_policy != "priority":  # as vLLM refuses it
             raise ValueError(f"got priority {priority} but scheduling_policy is {self.scheduling_policy!r}: "
                              "priorities are used only with scheduling_policy='priority'")

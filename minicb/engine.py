@@ -1,9 +1,9 @@
-"""Engine: the loop that ties scheduler, model runner and trace together (LLM, the offline API, is llm.py).
+"""Engine: the loop that ties scheduler, model runner and output processor together (LLM is llm.py).
 
     Engine.step():  scheduler.schedule()  -> which requests run, how many tokens each
                     runner.execute(out)   -> one forward pass over all of them, sampled tokens
-                    scheduler.update()    -> append tokens, stop finished requests, free blocks
-                    trace.record()        -> what the step did, for the notebooks
+                    scheduler.update()    -> append tokens, fork n samples, stop finished requests
+                    output_processor      -> text, stop strings, logprobs: RequestOutputs (and a trace record)
 Everything a user sees (generate, stream, the HTTP server) is this loop called again and again.
 """
 
@@ -13,13 +13,14 @@ import time
 import torch
 
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, kv_bytes_per_token
 from .loader import LoadedModel, load_model
 from .cpu_kernels import prepack_for_cpu
 from .model import CausalLM
-from .model_runner import ModelRunner
-from .request import CompletionOutput, Request, RequestOutput, RequestStatus
+from .model_runner import ModelRunner, ModelRunnerOutput
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
+from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .trace import Trace
@@ -65,7 +66,7 @@ class Engine:
 
             self.runner.graph_runner = DecodeGraphRunner(self.runner)
         self.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # request id -> its growing text
+        self.output_processor = OutputProcessor(self.tokenizer)  # text, logprobs, samples -> outputs
         self._next_id = 0  # for request ids chosen by the engine
         self._num_added = 0  # arrival order (FIFO key)
 
@@ -90,32 +91,44 @@ class Engine:
         ids = self.tokenize(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings are found in text, and model {self.model_name!r} has no tokenizer")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}) (the vocabulary), "
+                             f"got {max(params.logit_bias)}")
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
-        req = Request(request_id, ids, params, priority, arrival_index=self._num_added,
-                      eos_token_ids=self.eos_token_ids, prompt=prompt if isinstance(prompt, str) else None)
+        sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]  # vLLM's child ids
+        if any(sid in self.output_processor.owner for sid in sample_ids):
+            raise ValueError(f"request id {request_id!r} (or one of its samples' ids) is already in use")
+        samples = [Request(sid, ids, params.for_sample(i), priority, arrival_index=self._num_added,
+                           eos_token_ids=self.eos_token_ids, prompt=prompt if isinstance(prompt, str) else None,
+                           sample_index=i) for i, sid in enumerate(sample_ids)]
+        req, req.forks = samples[0], samples[1:]
         req.metrics.arrival_time = time.perf_counter()
-        self.scheduler.add_request(req)
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop or (),
-                                                                    params.include_stop_str_in_output)
+        self.scheduler.add_request(req)  # refuses (changing nothing) what could never run
+        self.output_processor.add_request(samples)
         self._num_added += 1
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        req = self.scheduler.abort_request(request_id)
-        if req is None:
+        """Abort a request, all its samples included. Returns its last output, None if unknown."""
+        samples = self.output_processor.samples.get(request_id)
+        if samples is None:
             return None
-        req.metrics.finish_time = time.perf_counter()
-        return self._output(req, [])
+        for sample in samples:  # samples not forked yet finish with the first one (Scheduler._finish)
+            if self.scheduler.abort_request(sample.request_id) is not None:
+                sample.metrics.finish_time = time.perf_counter()
+        return self.output_processor.output(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def _fail(self, request_id: str, why: str) -> None:
-        """Stop one request whose own inputs broke this step; everything else keeps running."""
+        """Stop one sample whose own inputs broke this step; everything else keeps running."""
         req = self.scheduler.abort_request(request_id, RequestStatus.FINISHED_ERROR)
+        sample = self.output_processor.sample(request_id)
+        if req is None and sample is not None and not sample.is_finished:  # it was to fork: Scheduler.fork skips it
+            req, sample.status = sample, RequestStatus.FINISHED_ERROR
         if req is not None:
             req.error = why
             req.metrics.finish_time = time.perf_counter()
@@ -132,16 +145,16 @@ class Engine:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = t0
         try:
-            tokens, errors = self.runner.execute(out)
+            result = self.runner.execute(out)
         except Exception as e:  # the forward pass itself failed: its rows cannot be told apart
             log.exception("step %d failed; stopping the %d requests it ran", out.step, len(out.scheduled))
-            tokens = [None] * sum(row.do_sample for row in out.scheduled)
-            errors = {row.request.request_id: e for row in out.scheduled}
-        for rid, e in errors.items():  # those requests stop here; update() drops their tokens
+            result = ModelRunnerOutput([None] * sum(r.request.num_seqs for r in out.scheduled if r.do_sample),
+                                       errors={row.request.request_id: e for row in out.scheduled})
+        for rid, e in result.errors.items():  # those samples stop here; update() drops their tokens
             self._fail(rid, f"{type(e).__name__}: {e}")
-        touched = self.scheduler.update(out, [0 if t is None else t for t in tokens])
+        self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
+        touched = self.scheduler.update(out, [0 if t is None else t for t in result.sampled_token_ids])
         now = time.perf_counter()
-        outputs = []
         for req in touched:
             req.metrics.record_token(now)
             if req.metrics.first_token_time is None:
@@ -149,43 +162,21 @@ class Engine:
             if req.is_finished:
                 req.metrics.finish_time = now
             try:
-                self._detokenize(req)
-                outputs.append(self._output(req, [req.token_ids[-1]]))
+                stop_string = self.output_processor.add_token(req, result.logprobs.get(req.request_id))
+                if stop_string is not None and req.status != RequestStatus.FINISHED_STOPPED:
+                    self._stop(req, stop_string)
             except Exception as e:  # e.g. its text cannot be decoded: it fails alone
                 self._fail(req.request_id, f"{type(e).__name__}: {e}")
         finished = self.scheduler.take_finished()
-        got_token = {req.request_id for req in touched}
-        outputs += [self._output(req, []) for req in finished if req.request_id not in got_token]
-        for req in finished:  # their last output is made: the text is complete
-            self._detokenizers.pop(req.request_id, None)
         if self.config.record_trace:
             self.trace.record(self.scheduler, out, finished, self.runner.last_graph_bucket, now - t0)
-        return outputs
+        return self.output_processor.make_outputs(touched, finished)
 
-    def _detokenize(self, req: Request) -> None:
-        """Add the newest token to the request's text; a stop string found there finishes it."""
-        detokenizer = self._detokenizers.get(req.request_id)
-        if detokenizer is None:
-            return
-        detokenizer.add([req.token_ids[-1]], finished=req.is_finished)
-        if detokenizer.stop_reason is not None and req.status != RequestStatus.FINISHED_STOPPED:
-            if req.is_finished:  # it reached max_tokens in the same step: the stop string wins
-                req.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.abort_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = detokenizer.stop_reason
-            req.metrics.finish_time = time.perf_counter()
-
-    def _output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
-        """A snapshot of `req` for the user (copies: later steps never change it)."""
-        out_ids = req.output_token_ids
-        detokenizer = self._detokenizers.get(req.request_id)
-        text = ""
-        if detokenizer is not None:
-            if req.is_finished:
-                detokenizer.add([], finished=True)  # flush a character held back (an abort, an error)
-            text = detokenizer.visible_text(req.is_finished)
-        sample = CompletionOutput(index=0, text=text, token_ids=out_ids, finish_reason=req.finish_reason,
-                                  stop_reason=req.stop_reason, new_token_ids=new_token_ids)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, [sample],
-                             req.is_finished, req.metrics.snapshot(), req.error)
+    def _stop(self, req: Request, stop_string: str) -> None:
+        """Finish a sample whose text reached one of its stop strings."""
+        if req.is_finished:  # it reached max_tokens in the same step: the stop string wins
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.abort_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        req.stop_reason = stop_string
+        req.metrics.finish_time = time.perf_counter()

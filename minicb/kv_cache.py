@@ -110,6 +110,18 @@ class KVCache:
         self.k.index_copy_(1, dst, self.cpu_k.index_select(1, src).to(self.device))
         self.v.index_copy_(1, dst, self.cpu_v.index_select(1, src).to(self.device))
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to other device blocks, all layers at once: copy-on-write, when a
+        sample is about to write into a block it shares with its siblings. pairs: (src, dst)."""
+        if not pairs:
+            return
+        src_ids, dst_ids = [s for s, _ in pairs], [d for _, d in pairs]
+        self._check_ids(src_ids + dst_ids, self.num_blocks, "gpu")
+        src = torch.tensor(src_ids, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dst_ids, dtype=torch.long, device=self.device)
+        self.k.index_copy_(1, dst, self.k.index_select(1, src))
+        self.v.index_copy_(1, dst, self.v.index_select(1, src))
+
     def __repr__(self) -> str:
         mib = self.num_bytes / 2**20
         return (

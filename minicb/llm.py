@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from .config import EngineConfig
 from .engine import Engine
 from .loader import LoadedModel
-from .request import RequestOutput
+from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 

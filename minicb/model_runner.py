@@ -14,14 +14,30 @@ the same inputs into static buffers and returns the same logits. Sampling always
 outside the graph, and the eager path below is the reference every graph must match.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .attention import AttentionMetadata
 from .config import cdiv
+from .outputs import Logprob
+from .request import Request
 from .scheduler import SchedulerOutput
+from .logprobs import gather_logprobs, logprobs, prompt_logprobs
+from .penalties import process_logits
 from .sampler import Sampler
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced (vLLM's name). `sampled_token_ids` holds one token per row with
+    `do_sample`, in row order, except that a row whose request is about to fork its n samples
+    holds n tokens in a row: its own, then its forks' (None: that sequence's sampling failed)."""
+
+    sampled_token_ids: list[int | None] = field(default_factory=list)
+    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)  # request id -> this token's
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # id -> new entries
+    errors: dict[str, Exception] = field(default_factory=dict)  # request id -> why its sampling failed
 
 
 @dataclass
@@ -73,18 +89,17 @@ class ModelRunner:
         return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.sample_rows
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], dict[str, Exception]]:
-        """Run one step. Returns the sampled token of every row with `do_sample`, in row order, and
-        the requests whose own sampling failed (request id -> error; their token is None)."""
-        # Swaps first: a block swapped out this step may be handed to another request below.
-        if out.blocks_to_swap_out:
-            self.kv_cache.swap_out(out.blocks_to_swap_out)
-        if out.blocks_to_swap_in:
-            self.kv_cache.swap_in(out.blocks_to_swap_in)
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: block copies, one forward pass, sampling (see ModelRunnerOutput)."""
+        # Block copies first, in this order: a block swapped out this step may be handed to another
+        # request below, and a copy-on-write source freed this step may be the target of a swap-in.
+        self.kv_cache.swap_out(out.blocks_to_swap_out)
+        self.kv_cache.copy_blocks(out.blocks_to_copy)
+        self.kv_cache.swap_in(out.blocks_to_swap_in)
         self.last_graph_bucket = None
-        if not out.scheduled:
-            return [], {}
-        rows = out.scheduled
+        result, rows = ModelRunnerOutput(), out.scheduled
+        if not rows:
+            return result
         if self.graph_runner is not None and self.graph_runner.can_run(out):  # decode-only, fits a bucket
             logits = self.graph_runner.run(out)  # (num_rows, vocab), every row samples
             self.last_graph_bucket = self.graph_runner.last_bucket
@@ -92,13 +107,20 @@ class ModelRunner:
         else:
             input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
             hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (num_tokens, hidden)
-            if not sample_rows:
-                return [], {}
             last_token = meta.query_start_loc[1:] - 1  # (num_seqs,) index of each row's last token
+            result.prompt_logprobs = prompt_logprobs(rows, hidden, meta.query_start_loc, self.model.compute_logits)
+            if not sample_rows:
+                return result
             if len(sample_rows) < len(rows):
                 last_token = last_token[torch.tensor(sample_rows, device=self.device)]
             logits = self.model.compute_logits(hidden[last_token])  # (num_sampled, vocab)
-        return self.sample(logits, [rows[i].request for i in sample_rows])
+        # A request about to fork samples its n first tokens from its one row of logits.
+        seqs = [seq for i in sample_rows for seq in [rows[i].request, *rows[i].request.forks]]
+        if len(seqs) > len(sample_rows):
+            repeat = [j for j, i in enumerate(sample_rows) for _ in range(rows[i].request.num_seqs)]
+            logits = logits[torch.tensor(repeat, device=self.device)]  # (num_seqs, vocab)
+        self.sample(logits, seqs, result)
+        return result
 
     def _generator(self, req):
         """A seeded request keeps one generator for its whole life (made on its first sample)."""
@@ -106,19 +128,28 @@ class ModelRunner:
             req.generator = self.sampler.generator_for(req.params.seed, self.device)
         return req.generator
 
-    def sample(self, logits, requests) -> tuple[list[int | None], dict[str, Exception]]:
-        """One token per row, all rows in one call. If that call fails, the rows are sampled one by
-        one, so a request whose own settings break the sampler fails alone (its token is None) and
-        every other request of the batch still gets its token."""
+    def sample(self, logits, seqs: list[Request], result: ModelRunnerOutput) -> None:
+        """One token per row of logits (one per sequence in `seqs`), all rows in one call: logits
+        processors, then log-probabilities where asked, then the draw. If that fails, the rows are
+        sampled one by one, so a request whose own settings break sampling fails alone (its token
+        is None) and every other request of the batch still gets its token."""
         try:
-            generators = [self._generator(r) for r in requests]
-            return self.sampler(logits, [r.params for r in requests], generators).tolist(), {}
+            result.sampled_token_ids += self._sample(logits, seqs, result)
         except Exception:
-            tokens, errors = [], {}
-            for i, req in enumerate(requests):
+            for i, seq in enumerate(seqs):
                 try:
-                    tokens.append(self.sampler(logits[i:i + 1], [req.params], [self._generator(req)]).item())
+                    result.sampled_token_ids += self._sample(logits[i:i + 1], [seq], result)
                 except Exception as e:
-                    tokens.append(None)
-                    errors[req.request_id] = e
-            return tokens, errors
+                    result.sampled_token_ids.append(None)
+                    result.errors[seq.request_id] = e
+
+    def _sample(self, logits, seqs: list[Request], result: ModelRunnerOutput) -> list[int]:
+        params = [s.params for s in seqs]
+        logits = process_logits(logits, params, seqs)  # (n, vocab): the very tensor when none is set
+        tokens = self.sampler(logits, params, [self._generator(s) for s in seqs]).tolist()
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if rows:
+            picked = logits[torch.tensor(rows, device=logits.device)]
+            found = gather_logprobs(logprobs(picked), [tokens[i] for i in rows], [params[i].logprobs for i in rows])
+            result.logprobs.update((seqs[i].request_id, lp) for i, lp in zip(rows, found))
+        return tokens

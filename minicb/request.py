@@ -1,4 +1,4 @@
-"""Request: one prompt's life inside the engine, and RequestOutput: what a user gets back.
+"""Request: one prompt's life inside the engine (what a user gets back is in outputs.py).
 
 A request is a list of token ids (prompt, then generated tokens) plus one counter that drives
 everything: `num_computed_tokens`, how many of those tokens already have K/V in the cache.
@@ -76,6 +76,7 @@ class Request:
         arrival_index: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
         prompt: str | None = None,
+        sample_index: int = 0,
     ):
         self.request_id = request_id
         self.prompt = prompt  # the text, when the prompt was given as text
@@ -99,10 +100,24 @@ class Request:
         self.finish_step: int | None = None
         self.metrics = RequestMetrics()
         self.generator = None  # per-request torch.Generator for seeded sampling (set by the engine)
+        # Samples 1..n-1 of an n-sample request, made at arrival but kept out of the scheduler until
+        # the prompt is computed; then they fork from this request (Scheduler.fork) and run as requests
+        # of their own that share its prompt blocks. Empty for n == 1 and after the fork.
+        self.forks: list[Request] = []
+        self.sample_index = sample_index  # which sample of its prompt this is (CompletionOutput.index)
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None  # {id: Logprob} per token
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # [None, then one {token id: Logprob} per prompt token]: the first token has no context.
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        """Batch rows (slots) it needs: n until its samples have forked, then 1 each."""
+        return 1 + len(self.forks)
 
     @property
     def num_output_tokens(self) -> int:
@@ -147,44 +162,3 @@ class Request:
             f"out={self.num_output_tokens}/{self.params.max_tokens}, "
             f"computed={self.num_computed_tokens}, slot={self.slot}, priority={self.priority})"
         )
-
-
-@dataclass
-class CompletionOutput:
-    """One generated sequence of a request, as vLLM's `CompletionOutput` (a request with n > 1
-    has n of them). `text` and `token_ids` hold everything generated so far."""
-
-    index: int  # which of the request's samples this is (0 while n == 1)
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when requested
-    logprobs: list | None = None  # per token: {token id: logprob}, when requested
-    finish_reason: str | None = None  # "stop" | "length" | "abort" (| "error") once finished
-    stop_reason: int | str | None = None  # the stop token id (or string) that ended it; None for EOS
-    new_token_ids: list[int] = field(default_factory=list)  # minicb: the tokens added in this step
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """What a user gets back for one request, shaped as vLLM's `RequestOutput`.
-
-    A snapshot: the lists and the metrics are copies, so a later step never changes an output
-    already handed out. Streaming yields one per step in which the request got a token."""
-
-    request_id: str
-    prompt: str | None  # the prompt text, when the prompt was given as text
-    prompt_token_ids: list[int]
-    prompt_logprobs: list | None
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)  # minicb: wall-clock times
-    error: str | None = None  # minicb: what went wrong when the finish reason is "error"
-
-    def __repr__(self):
-        outs = ", ".join(f"#{o.index}: {len(o.token_ids)} tokens {o.text[:40]!r}"
-                         + (f" ({o.finish_reason})" if o.finish_reason else "") for o in self.outputs)
-        return (f"RequestOutput({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, "
-                f"finished={self.finished}, outputs=[{outs}])")

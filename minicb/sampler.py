@@ -14,6 +14,14 @@ followed by a single draw:
   kept); 1.0 turns it off.
   The kept tokens' probabilities are renormalized and one token is drawn.
 
+- min-p (Nguyen et al., 2024, "Turning Up the Heat: Min-p Sampling"): after
+  temperature, drop the tokens whose probability is below min_p times the top
+  token's; applied before top-k and top-p, as vLLM does.
+
+Before any of that, the logits processors of penalties.py (min_tokens, logit_bias,
+penalties) may have changed the logits; greedy decoding takes the argmax of
+what it is given.
+
 The draw uses the exponential race (the Gumbel-max trick in another form):
 if E_i ~ Exp(1) independently, argmax_i p_i / E_i is distributed exactly as p.
 It needs no cumulative sum and no sort, and the randomness is one plain tensor
@@ -30,6 +38,7 @@ sampler's generator and draw their noise in one batched call.
 
 import torch
 from torch import Tensor
+
 
 
 class Sampler:
@@ -75,6 +84,8 @@ class Sampler:
         rows_logits = rows_logits - rows_logits.amax(dim=-1, keepdim=True)
         scaled = rows_logits / temperature.clamp(min=torch.finfo(dtype).tiny)[:, None]
 
+        if any(p.min_p > 0 for p in sampled):
+            scaled = self._apply_min_p(scaled, sampled)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled):
             scaled = self._apply_top_k_top_p(scaled, sampled)
         probs = torch.softmax(scaled, dim=-1)  # (m, vocab); truncated tokens have probability 0
@@ -83,6 +94,13 @@ class Sampler:
         tokens = greedy.clone()
         tokens[row_index] = (probs / noise).argmax(dim=-1)
         return tokens
+
+    def _apply_min_p(self, scaled: Tensor, params: list) -> Tensor:
+        """Set to -inf the tokens whose probability is below min_p times the row's top probability."""
+        min_p = torch.tensor([p.min_p for p in params], dtype=scaled.dtype, device=scaled.device)  # (m,)
+        probs = torch.softmax(scaled, dim=-1)  # (m, vocab)
+        too_unlikely = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        return scaled.masked_fill(too_unlikely, float("-inf"))  # the top token always survives
 
     def _apply_top_k_top_p(self, scaled: Tensor, params: list) -> Tensor:
         """Set the logits of tokens outside each row's top-k / top-p set to -inf (one sort)."""

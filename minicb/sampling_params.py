@@ -4,6 +4,7 @@ Pure data, validated on construction, so a bad value is refused when the request
 never reaches the model. The torch code that applies these parameters is `minicb.sampler`.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -11,6 +12,16 @@ from dataclasses import dataclass
 MAX_TOP_K = 2**31 - 1  # larger than any vocabulary: a top_k above the vocabulary size keeps every token
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_TOKEN_ID = 2**63 - 1  # token ids are int64 tensors
+MAX_LOGPROBS = 20  # alternatives per position, as vLLM's default max_logprobs (OpenAI allows 20 too)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one logit_bias value: [-100, 100]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:  # bools are ints in Python, never numbers here; NaN fails every range check
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -24,31 +35,68 @@ class SamplingParams:
     stop: tuple[str, ...] | None = None  # strings that end it, found in the text; not shown (vLLM's)
     include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
     ignore_eos: bool = False  # keep generating past EOS (benchmarks want exact lengths)
+    # Several samples of one prompt. The prompt is computed once; the samples fork after prefill and
+    # share its KV blocks by reference count (copy-on-write). Sample i of a seeded request uses
+    # seed + i, as vLLM does, so it equals a separate request with that seed.
+    n: int = 1
+    # Logits processors, applied in vLLM's order before temperature: min_tokens, logit_bias, then the
+    # repetition, frequency and presence penalties. Their neutral values change nothing, not one bit.
+    min_tokens: int = 0  # EOS and the stop tokens are forbidden until this many tokens are out
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    repetition_penalty: float = 1.0  # CTRL's: a seen token's logit is divided (if > 0) or multiplied by it
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output so far
+    presence_penalty: float = 0.0  # minus this once the token appeared in the output
+    min_p: float = 0.0  # after temperature, drop tokens with probability < min_p * the top probability
+    # Log-probabilities (from the processed logits, before temperature; see sampler.py).
+    logprobs: int | None = None  # per generated token: the sampled token's plus this many top ones
+    prompt_logprobs: int | None = None  # per prompt token (the first has none); no prefix-cache hits
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # also refuses NaN
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be an integer in [-1, {MAX_TOP_K}] (0 or -1 disables it), got {self.top_k!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1] (what torch.Generator accepts) "
-                             f"or None, got {self.seed!r}")
-        if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-                raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-            ids = tuple(self.stop_token_ids)
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in ids):
-                raise ValueError(f"stop_token_ids must be integers in [0, 2**63 - 1], got {self.stop_token_ids!r}")
-            object.__setattr__(self, "stop_token_ids", ids)  # a list given by the user becomes a tuple
-        if self.stop is not None:
-            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-            if not all(isinstance(s, str) and s for s in stop):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-            object.__setattr__(self, "stop", stop)
+        check, integer, number = self._require, _is_int, _is_number
+        check("max_tokens", integer(self.max_tokens) and self.max_tokens > 0, "a positive integer")
+        check("temperature", number(self.temperature) and 0 <= self.temperature < math.inf, "a finite number >= 0")
+        check("top_k", integer(self.top_k) and -1 <= self.top_k <= MAX_TOP_K,
+              f"an integer in [-1, {MAX_TOP_K}] (0 or -1 disables it)")
+        check("top_p", number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
+        check("seed", self.seed is None or integer(self.seed) and SEED_MIN <= self.seed <= SEED_MAX,
+              "an integer in [-2**63, 2**64 - 1] (what torch.Generator accepts) or None")
+        check("n", integer(self.n) and self.n >= 1, "an integer >= 1")
+        check("seed", self.seed is None or self.seed + self.n - 1 <= SEED_MAX, "<= 2**64 - n (sample i uses seed + i)")
+        check("min_tokens", integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+              f"an integer in [0, max_tokens={self.max_tokens}]")
+        for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
+            check(name, number(getattr(self, name)) and low <= getattr(self, name) <= high, f"a number in [{low}, {high}]")
+        check("repetition_penalty", number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+              "a finite number > 0 (1 turns it off)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(name, value is None or integer(value) and 0 <= value <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}] or None")
+        ids = self.stop_token_ids
+        check("stop_token_ids", ids is None or not isinstance(ids, (str, bytes, dict)) and hasattr(ids, "__iter__")
+              and all(integer(t) and 0 <= t <= MAX_TOKEN_ID for t in ids), "a list of integers in [0, 2**63 - 1]")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        check("stop", stop is None or not isinstance(stop, dict) and hasattr(stop, "__iter__")
+              and all(isinstance(s, str) and s for s in stop), "a non-empty string or a list of them")
+        bias = self.logit_bias
+        check("logit_bias", bias is None or isinstance(bias, dict) and all(
+            integer(t) and 0 <= t <= MAX_TOKEN_ID and number(b) and abs(b) <= MAX_LOGIT_BIAS for t, b in bias.items()),
+              f"a map from token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        # Given lists become tuples and the bias a copy, so later edits by the caller change nothing.
+        object.__setattr__(self, "stop_token_ids", None if ids is None else tuple(ids))
+        object.__setattr__(self, "stop", None if stop is None else tuple(stop))
+        object.__setattr__(self, "logit_bias", dict(bias) if bias else None)
+
+    def _require(self, name: str, ok: bool, expected: str) -> None:
+        if not ok:
+            raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Does any logits processor change this request's logits?"""
+        return bool(self.min_tokens or self.logit_bias or self.repetition_penalty != 1
+                    or self.frequency_penalty or self.presence_penalty)
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters of sample `index` of an n-sample request: n=1 and, if seeded, seed + index."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)

@@ -38,15 +38,14 @@ class Scheduler:
         self.policy_key = {  # sort key: the request served first has the smallest key
             "fcfs": lambda r: r.arrival_index,
             "priority": lambda r: (r.priority, r.arrival_index),  # the lowest value first, as in vLLM
-            "sjf": lambda r: (r.params.max_tokens, r.arrival_index),
-        }[config.scheduling_policy]
+            "sjf": lambda r: (r.params.max_tokens, r.arrival_index)}[config.scheduling_policy]
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Request) -> None:
         """Queue a request, or raise ValueError if it could never run (nothing else changes)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.config.check_request(req.num_prompt_tokens, req.params.max_tokens, req.priority)
+        self.config.check_request(req.num_prompt_tokens, req.params.max_tokens, req.priority, req.num_seqs)
         self.requests[req.request_id] = req
         bisect.insort(self.waiting, req, key=self.policy_key)
 
@@ -54,19 +53,18 @@ class Scheduler:
         """Remove a request in any state and free all it holds. Returns it, or None if unknown.
         `status`: FINISHED_ABORTED (asked), FINISHED_ERROR (its inputs failed), FINISHED_STOPPED (stop string)."""
         req = self.requests.get(request_id)
-        if req is None:
-            return None
-        if req.status == RequestStatus.WAITING:
-            self.waiting.remove(req)
-        elif req.status == RequestStatus.SWAPPED:
-            self.swapped.remove(req)
-        self._finish(req, status)
+        if req is not None:
+            self._finish(req, status)
         return req
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ------------------------------------------------------------------ slots and preemption
+    def _has_seats(self, req: Request) -> bool:
+        """A slot for each of its sequences? (One that will fork n samples holds 1 and reserves n - 1.)"""
+        return sum(r.num_seqs for r in self.running) + req.num_seqs <= self.config.max_num_seqs
+
     def _take_slot(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         req.slot = heapq.heappop(self.free_slots)
@@ -108,10 +106,8 @@ class Scheduler:
             if best.priority >= victim.priority:  # a lower value outranks; equals never preempt
                 return
             hits, computed, num_new = self._admission(best, self.config.max_num_batched_tokens)
-            fits = len(self.running) < self.config.max_num_seqs and \
-                self.block_manager.can_allocate(best.request_id, computed + num_new, hits)
-            if fits:
-                return
+            if self._has_seats(best) and self.block_manager.can_allocate(best.request_id, computed + num_new, hits):
+                return  # it fits without taking anyone's place
             self._preempt(victim, out)
 
     # ------------------------------------------------------------------ one step
@@ -128,17 +124,9 @@ class Scheduler:
         computed = len(hits) * self.config.block_size
         return hits, computed, self._num_new_tokens(req, computed, budget)
 
-    def _row(self, req: Request, num_tokens: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
-        done = start + num_tokens == req.num_tokens
-        is_decode = done and num_tokens == 1 and req.num_output_tokens > 0
-        return ScheduledRequest(req, start, num_tokens, not is_decode, done,
-                                self.block_manager.block_tables[req.request_id], req.slot)
-
     def _mark_admitted(self, req: Request, out: SchedulerOutput) -> None:
-        """"Admitted" means one thing: holding a slot, the request is given its first tokens (again,
-        after a recompute). A static batch's members take their slots together but may be given
-        their first tokens in a later step; they are admitted then."""
+        """"Admitted" means one thing: holding a slot, the request is given its first tokens (again, after a
+        recompute). A static batch's members take their slots together and are admitted when they get tokens."""
         out.admitted.append(req.request_id)
         if req.admitted_step is None:
             req.admitted_step = out.step
@@ -164,6 +152,7 @@ class Scheduler:
             rows += swapped_rows + waiting_rows
         out.scheduled = [r for r in rows if not r.is_prefill] + [r for r in rows if r.is_prefill]
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.blocks_to_copy = self.block_manager.take_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[list[ScheduledRequest], int]:
@@ -176,12 +165,11 @@ class Scheduler:
         for req in decoding + [r for r in ranked if r.num_tokens - r.num_computed_tokens > 1]:
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            if num_new == 0:  # it must wait for a larger budget
+            if req.status != RequestStatus.RUNNING or num_new == 0:  # preempted earlier, or it must wait for budget
                 continue
-            while not bm.can_allocate(req.request_id, req.num_computed_tokens + num_new):
+            while not bm.can_allocate(req.request_id, req.num_computed_tokens + num_new,
+                                      num_computed=req.num_computed_tokens):  # a copy-on-write counts too
                 victim = self._lowest_ranked_running()
                 taken_back = rows.pop(victim.request_id, None)
                 budget += taken_back.num_tokens if taken_back else 0
@@ -190,7 +178,7 @@ class Scheduler:
                     break
             else:
                 bm.allocate(req, req.num_computed_tokens + num_new)
-                rows[req.request_id] = self._row(req, num_new)
+                rows[req.request_id] = ScheduledRequest.make(req, num_new, bm.block_tables[req.request_id])
                 if req.admitted_step is None:  # a static batch member given its first tokens
                     self._mark_admitted(req, out)
                 budget -= num_new
@@ -200,7 +188,7 @@ class Scheduler:
         """Phase 2: swapped requests come back while they fit, unless a waiting request ranks
         before them (a static batch's swapped members always come first: nobody else may join)."""
         c, bm, rows = self.config, self.block_manager, []
-        while self.swapped and budget > 0 and len(self.running) < c.max_num_seqs:
+        while self.swapped and budget > 0 and self._has_seats(self.swapped[0]):
             req = self.swapped[0]
             if c.batching == "continuous" and self.waiting and self.policy_key(self.waiting[0]) < self.policy_key(req):
                 break
@@ -212,7 +200,7 @@ class Scheduler:
             bm.allocate(req, req.num_computed_tokens + num_new)
             self._take_slot(req)
             out.swapped_in.append(req.request_id)
-            rows.append(self._row(req, num_new))
+            rows.append(ScheduledRequest.make(req, num_new, bm.block_tables[req.request_id]))
             budget -= num_new
         return rows, budget
 
@@ -223,15 +211,15 @@ class Scheduler:
         the batch's own preempted members come back."""
         c, bm, rows = self.config, self.block_manager, []
         forming = self._forming_batch()
-        while self.waiting and len(self.running) < c.max_num_seqs:
+        while self.waiting:
             req = self.waiting[0] if forming else next(
                 (r for r in self.waiting if r.request_id in self.static_batch), None)
-            if req is None or (self.swapped and (not forming or self.policy_key(self.swapped[0]) < self.policy_key(req))):
+            if req is None or not self._has_seats(req) or (
+                    self.swapped and (not forming or self.policy_key(self.swapped[0]) < self.policy_key(req))):
                 break  # a swapped request comes first: it waits for room, and so does everyone behind it
             hits, computed, num_new = self._admission(req, budget)
-            if num_new == 0 and c.batching == "continuous":
-                break
-            if not bm.can_allocate(req.request_id, computed + num_new, hits):
+            if (num_new == 0 and c.batching == "continuous") or \
+                    not bm.can_allocate(req.request_id, computed + num_new, hits):
                 break
             self.waiting.remove(req)
             bm.allocate(req, computed + num_new, hits)
@@ -240,7 +228,7 @@ class Scheduler:
             if c.batching == "static":
                 self.static_batch.add(req.request_id)
             if num_new:  # a recomputed request whose prefix is all cached may need just a decode
-                rows.append(self._row(req, num_new))
+                rows.append(ScheduledRequest.make(req, num_new, bm.block_tables[req.request_id]))
                 self._mark_admitted(req, out)
                 budget -= num_new
         return rows, budget
@@ -256,32 +244,45 @@ class Scheduler:
     # ------------------------------------------------------------------ after the model ran
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
         """Advance every scheduled request. `sampled_token_ids` holds one token for each row with
-        `do_sample`, in row order. Returns the requests that received a token."""
-        bm = self.block_manager
+        `do_sample`, in row order (n for a request that forks now: its own, then its forks'). Returns
+        the requests that received a token."""
         samples = iter(sampled_token_ids)
         touched = []
         for row in out.scheduled:
             req = row.request
-            if req.status.finished:  # aborted after schedule(): drop its token
-                if row.do_sample:
-                    next(samples)
+            tokens = [next(samples) for _ in range(req.num_seqs if row.do_sample else 0)]
+            if req.status.finished:  # aborted after schedule(): drop its tokens
                 continue
             req.num_computed_tokens += row.num_tokens
-            bm.cache_full_blocks(req)
-            if not row.do_sample:
-                continue
-            stop = req.append_output_token(next(samples))
-            touched.append(req)
-            if req.first_token_step is None:
-                req.first_token_step = out.step
-            if stop is not None:
-                self._finish(req, stop)
+            self.block_manager.cache_full_blocks(req)
+            for seq, token in zip([req, *self.fork(req)] if tokens else [], tokens):
+                if seq.is_finished:  # its own sampling failed (the engine stopped it)
+                    continue
+                stop = seq.append_output_token(token)
+                touched.append(seq)
+                seq.first_token_step = seq.first_token_step or out.step
+                if stop is not None:
+                    self._finish(seq, stop)
         return touched
 
+    def fork(self, parent: Request) -> list[Request]:
+        """Its prompt computed, an n-sample request forks: each other sample runs in a slot reserved for it,
+        sharing the prompt's blocks (copy-on-write), and is preempted and finished on its own from here on."""
+        children, parent.forks = parent.forks, []
+        for child in (c for c in children if not c.is_finished):  # not one whose first sampling failed
+            child.token_ids, child.num_computed_tokens = list(parent.token_ids), parent.num_computed_tokens
+            child.block_hashes, child.admitted_step = list(parent.block_hashes), parent.admitted_step
+            self.block_manager.fork(parent.request_id, child.request_id)
+            self.requests[child.request_id] = child
+            self._take_slot(child)
+        return children
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
+        {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
+         RequestStatus.SWAPPED: self.swapped}[req.status].remove(req)  # out of the queue that holds it
         req.status = status
+        for child in req.forks:  # samples that will never fork finish with their parent
+            child.status = status
         req.finish_step = self.step_count
         self._release_slot(req)
         self.block_manager.free(req.request_id)
@@ -295,6 +296,5 @@ class Scheduler:
 
     def __repr__(self):
         ids = lambda q: [r.request_id for r in q]
-        return (f"Scheduler(step={self.step_count}, {self.config.batching}/{self.config.scheduling_policy}, "
-                f"waiting={ids(self.waiting)}, running={ids(self.running)}, swapped={ids(self.swapped)}, "
-                f"free_blocks={self.block_manager.num_free_blocks}/{self.config.num_blocks})")
+        return (f"Scheduler(step={self.step_count}, waiting={ids(self.waiting)}, running={ids(self.running)}, "
+                f"swapped={ids(self.swapped)}, free_blocks={self.block_manager.num_free_blocks}/{self.config.num_blocks})")

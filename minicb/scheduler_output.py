@@ -21,6 +21,14 @@ class ScheduledRequest:
     block_table: list[int]  # the request's live block table (read it during this step only)
     slot: int  # the batch row the request occupies while it runs
 
+    @classmethod
+    def make(cls, req: Request, num_tokens: int, block_table: list[int]) -> "ScheduledRequest":
+        """The row that feeds `req` its next `num_tokens` tokens; it samples if they reach its end."""
+        start = req.num_computed_tokens
+        done = start + num_tokens == req.num_tokens
+        is_decode = done and num_tokens == 1 and req.num_output_tokens > 0
+        return cls(req, start, num_tokens, not is_decode, done, block_table, req.slot)
+
     @property
     def token_ids(self) -> list[int]:
         return self.request.token_ids[self.start:self.start + self.num_tokens]
@@ -39,6 +47,7 @@ class SchedulerOutput:
     swapped_in: list[str] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (device, device): copy-on-write
 
     @property
     def num_decode_rows(self) -> int:

@@ -7,7 +7,8 @@ import pytest
 from minicb import LLM, SamplingParams
 from minicb.loader import save_tiny_model
 from minicb.metrics import inter_token_latencies, mean_gap, percentile, summarize, tpot
-from minicb.request import CompletionOutput, RequestMetrics, RequestOutput
+from minicb.outputs import CompletionOutput, RequestOutput
+from minicb.request import RequestMetrics
 
 
 def output(arrival, token_times, scheduled=None):

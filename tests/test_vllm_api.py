@@ -7,7 +7,7 @@ import torch
 
 from minicb import LLM, SamplingParams
 from minicb.loader import load_model, save_tiny_model
-from minicb.request import CompletionOutput, RequestOutput
+from minicb.outputs import CompletionOutput, RequestOutput
 from reference import add_word_tokenizer
 
 
