@@ -24,6 +24,7 @@ class SimRequest:
     priority: int = 0  # with scheduling_policy="priority": the lowest value is served first (vLLM's rule)
     prompt_token_ids: list[int] | None = None  # give two requests the same prefix to share blocks
     request_id: str | None = None  # default: its index in the input list
+    n: int = 1  # samples of one prompt: they fork after its prefill and share its blocks (copy-on-write)
 
 
 @dataclass
@@ -68,7 +69,7 @@ def scripted_step(sched: Scheduler, on_step=None) -> SchedulerOutput:
     out = sched.schedule()
     if on_step is not None:
         on_step(sched, out)
-    sched.update(out, [1] * sum(1 for s in out.scheduled if s.do_sample))
+    sched.update(out, [1] * sum(s.request.num_seqs for s in out.scheduled if s.do_sample))  # n for a fork
     return out
 
 
@@ -91,11 +92,11 @@ def simulate(requests: list[SimRequest], config: EngineConfig | None = None, max
         if len(tokens) != sr.prompt_len:
             raise ValueError(f"request {i}: prompt_token_ids has {len(tokens)} tokens, prompt_len is {sr.prompt_len}")
         rid = sr.request_id if sr.request_id is not None else str(i)
-        params = SamplingParams(max_tokens=sr.output_len, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=sr.output_len, temperature=0.0, ignore_eos=True, n=sr.n)
         pending.append((max(sr.arrival_step, 1), i, rid, tokens, params, sr.priority))
     # Arrival order (the FIFO key) is by arrival step, then by position in the list.
     pending.sort(key=lambda p: (p[0], p[1]))
-    pending = [(step, i, Request(rid, tokens, params, prio, arrival_index=rank))
+    pending = [(step, i, _with_samples(Request(rid, tokens, params.for_sample(0), prio, arrival_index=rank), params.n))
                for rank, (step, i, rid, tokens, params, prio) in enumerate(pending)]
     by_index = [p[2] for p in sorted(pending, key=lambda p: p[1])]
 
@@ -118,3 +119,10 @@ def simulate(requests: list[SimRequest], config: EngineConfig | None = None, max
                                 max(requests[i].arrival_step, 1), r.admitted_step, r.first_token_step,
                                 r.finish_step, r.num_preemptions) for i, r in enumerate(by_index)]
     return SimResult(results, step, trace, sched)
+
+
+def _with_samples(req: Request, n: int) -> Request:
+    """Give a request its n - 1 other samples, to fork after its prefill (ids "i_<id>", as the engine's)."""
+    req.forks = [Request(f"{i}_{req.request_id}", req.prompt_token_ids, req.params, req.priority,
+                         arrival_index=req.arrival_index, sample_index=i) for i in range(1, n)]
+    return req

@@ -176,3 +176,15 @@ def test_a_sample_whose_first_draw_fails_stops_alone(loaded):
     assert out.outputs[2].token_ids == [] and "cannot sample seed 102" in out.error
     for i in (0, 1, 3):
         assert out.outputs[i].token_ids == want[i].outputs[0].token_ids
+
+
+def test_the_simulator_forks_samples_like_the_engine():
+    from minicb import EngineConfig
+    from minicb.sim import SimRequest, simulate
+
+    config = EngineConfig(block_size=16, num_blocks=128, enable_prefix_caching=False, max_num_batched_tokens=2048)
+    forked = simulate([SimRequest(200, 5, n=8)], config)
+    separate = simulate([SimRequest(200, 5) for _ in range(8)], config)
+    used = lambda res, step: 128 - res.trace.steps[step - 1].num_free_blocks
+    assert (used(forked, 1), used(forked, 2)) == (13, 20) and used(separate, 2) == 104
+    assert forked.num_steps == separate.num_steps == 5
