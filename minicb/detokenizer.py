@@ -21,12 +21,13 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder gives for the bytes of an unfinish
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop, self.include_stop = tuple(stop), include_stop_str_in_output
         self.hold_back = max(map(len, self.stop), default=1) - 1  # characters that may start a stop string
         self.stop_reason: str | None = None  # the stop string found, once found
+        self.min_tokens = min_tokens  # no stop string is looked for until more tokens than this are out (vLLM)
         self.token_ids: list[int] = []  # every output token seen so far
         self.prefix_offset = 0  # the window starts here: context for the tokens not yet emitted
         self.read_offset = 0  # tokens before this one have had their text emitted
@@ -46,7 +47,7 @@ class IncrementalDetokenizer:
         delta = after[len(before):]
         self.text += delta
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        if self.stop and self.stop_reason is None:
+        if self.stop and self.stop_reason is None and len(self.token_ids) > self.min_tokens:
             self._find_stop(len(self.text) - len(delta))
         return delta
 

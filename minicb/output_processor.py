@@ -32,7 +32,7 @@ class OutputProcessor:
             if self.tokenizer is not None:
                 p = sample.params
                 self.detokenizers[sample.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, p.stop or (), p.include_stop_str_in_output)
+                    self.tokenizer, p.stop or (), p.include_stop_str_in_output, min_tokens=p.min_tokens)
 
     def sample(self, sample_id: str) -> Request | None:
         request_id = self.owner.get(sample_id)

@@ -41,7 +41,7 @@ class SamplingParams:
     n: int = 1
     # Logits processors, applied in vLLM's order before temperature: min_tokens, logit_bias, then the
     # repetition, frequency and presence penalties. Their neutral values change nothing, not one bit.
-    min_tokens: int = 0  # EOS and the stop tokens are forbidden until this many tokens are out
+    min_tokens: int = 0  # EOS and stop tokens are forbidden, stop strings not looked for, until this many are out
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     repetition_penalty: float = 1.0  # CTRL's: a seen token's logit is divided (if > 0) or multiplied by it
     frequency_penalty: float = 0.0  # minus this times the token's count in the output so far
@@ -65,12 +65,13 @@ class SamplingParams:
         check("min_tokens", integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
               f"an integer in [0, max_tokens={self.max_tokens}]")
         for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
-            check(name, number(getattr(self, name)) and low <= getattr(self, name) <= high, f"a number in [{low}, {high}]")
+            value = getattr(self, name)
+            check(name, number(value) and low <= value <= high, f"a number in [{low}, {high}]")
         check("repetition_penalty", number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
               "a finite number > 0 (1 turns it off)")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            check(name, value is None or integer(value) and 0 <= value <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}] or None")
+            value, expected = getattr(self, name), f"an integer in [0, {MAX_LOGPROBS}] or None"
+            check(name, value is None or integer(value) and 0 <= value <= MAX_LOGPROBS, expected)
         ids = self.stop_token_ids
         check("stop_token_ids", ids is None or not isinstance(ids, (str, bytes, dict)) and hasattr(ids, "__iter__")
               and all(integer(t) and 0 <= t <= MAX_TOKEN_ID for t in ids), "a list of integers in [0, 2**63 - 1]")

@@ -118,6 +118,21 @@ def test_stop_strings_are_found_in_the_text_and_cut(loaded):
         assert sent == out.text and cut_at >= 1
 
 
+def test_min_tokens_defers_stop_strings_too(loaded):
+    # vLLM looks for stop strings only once more than min_tokens tokens are out, as it forbids EOS.
+    llm = make(loaded)
+    greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    free = llm.generate([[9, 10, 11]], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    first = free.text.split()[0]
+    early = llm.generate([[9, 10, 11]], SamplingParams(**greedy, stop=[first]), use_tqdm=False)[0].outputs[0]
+    assert early.text == "" and len(early.token_ids) == 1
+    held = llm.generate([[9, 10, 11]], SamplingParams(**greedy, stop=[first], min_tokens=3),
+                        use_tqdm=False)[0].outputs[0]
+    later = [i for i, w in enumerate(free.text.split()) if w == first and i >= 3]
+    assert held.token_ids == free.token_ids[:later[0] + 1] if later else held.token_ids == free.token_ids
+    assert held.text.startswith(first)
+
+
 def test_stop_strings_need_a_tokenizer(tmp_path):
     llm = LLM(str(save_tiny_model(tmp_path, seed=2)), dtype="float64", block_size=4, num_blocks=16)
     with pytest.raises(ValueError, match="no tokenizer"):
