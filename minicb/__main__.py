@@ -89,6 +89,12 @@ def cmd_generate(args):
         print(f"> {q}\n{out.outputs[0].text.strip()}\n")
 
 
+def cmd_model_dir(args):
+    from minicb.loader import embedded_model_dir  # moves with $MINICB_CACHE / $XDG_CACHE_HOME
+
+    print(embedded_model_dir())
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m minicb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +115,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("model-dir", help="print the embedded model's directory (config, tokenizer, weights), "
+                                         "for tools that want a local tokenizer or model (lm-eval, guidellm)")
+    p.set_defaults(func=cmd_model_dir)
 
     # These three own their options: each module has add_arguments(parser) and main(args). Only the
     # chosen command's module is imported, so `generate` never loads the server or matplotlib.

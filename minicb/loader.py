@@ -75,7 +75,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
     """Load `model` (None = the embedded default, a local HF directory, or a hub id) on CPU in `dtype`."""
     dtype = _resolve_dtype(dtype)
     if model is None or model == DEFAULT_MODEL:
-        return _load_dir(_embedded_model_dir(), DEFAULT_MODEL, dtype)
+        return _load_dir(embedded_model_dir(), DEFAULT_MODEL, dtype)
     path = Path(model).expanduser()
     if path.is_dir():
         return _load_dir(path, str(model), dtype)
@@ -185,7 +185,7 @@ def embedded_gguf_path() -> Path:
     return files[0]
 
 
-def _embedded_model_dir() -> Path:
+def embedded_model_dir() -> Path:
     """The cached HF directory of the default model, built from the GGUF on first use."""
     target = cache_dir() / DEFAULT_MODEL
     if not target.is_dir():  # the directory only appears complete (see the rename below)

@@ -1,6 +1,9 @@
 """Tests for minicb.loader: tiny models round-trip, errors a user can act on, the embedded cache."""
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -250,3 +253,12 @@ def test_a_hub_id_is_never_mapped_to_the_embedded_weights(monkeypatch):
     monkeypatch.setenv("HF_HOME", "/nonexistent-minicb-test-cache")
     with pytest.raises(OSError, match="HuggingFaceTB/SmolLM2-135M-Instruct"):
         load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_model_dir_prints_the_embedded_directory_and_follows_the_cache_setting(tmp_path, monkeypatch):
+    # What lm-eval and guidellm are given as a local tokenizer: the directory moves with $MINICB_CACHE.
+    (tmp_path / DEFAULT_MODEL).mkdir()  # an already-built cache: nothing is de-quantized
+    env = {**os.environ, "MINICB_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "minicb", "model-dir"], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == str(tmp_path / DEFAULT_MODEL)
