@@ -111,8 +111,7 @@ class KVCache:
         self.v.index_copy_(1, dst, self.cpu_v.index_select(1, src).to(self.device))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to other device blocks, all layers at once: copy-on-write, when a
-        sample is about to write into a block it shares with its siblings. pairs: (src, dst)."""
+        """Copy-on-write: device block src to device block dst, all layers at once. pairs: (src, dst)."""
         if not pairs:
             return
         src_ids, dst_ids = [s for s, _ in pairs], [d for _, d in pairs]

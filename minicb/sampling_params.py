@@ -14,6 +14,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed acc
 MAX_TOKEN_ID = 2**63 - 1  # token ids are int64 tensors
 MAX_LOGPROBS = 20  # alternatives per position, as vLLM's default max_logprobs (OpenAI allows 20 too)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one logit_bias value: [-100, 100]
+MAX_REPETITION_PENALTY = 100.0  # [1/100, 100]: vLLM takes any r > 0, but logit / 1e-40 overflows to NaN
 
 
 def _is_int(v) -> bool:
@@ -67,8 +68,8 @@ class SamplingParams:
         for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
             value = getattr(self, name)
             check(name, number(value) and low <= value <= high, f"a number in [{low}, {high}]")
-        check("repetition_penalty", number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
-              "a finite number > 0 (1 turns it off)")
+        r, top = self.repetition_penalty, MAX_REPETITION_PENALTY
+        check("repetition_penalty", number(r) and 1 / top <= r <= top, f"a number in [{1 / top:g}, {top:g}] (1 turns it off)")
         for name in ("logprobs", "prompt_logprobs"):
             value, expected = getattr(self, name), f"an integer in [0, {MAX_LOGPROBS}] or None"
             check(name, value is None or integer(value) and 0 <= value <= MAX_LOGPROBS, expected)

@@ -159,7 +159,8 @@ def test_logit_bias_outside_the_vocabulary_is_refused(model):
 @pytest.mark.parametrize("bad, message", [
     (dict(presence_penalty=2.5), "presence_penalty must be a number in"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty must be a number in"),
-    (dict(repetition_penalty=0), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=0), "repetition_penalty must be a number in \\[0.01, 100\\]"),
+    (dict(repetition_penalty=1e-40), "repetition_penalty must be a number in"),
     (dict(min_p=1.5), "min_p must be a number in"),
     (dict(min_tokens=5, max_tokens=4), "min_tokens must be an integer in"),
     (dict(logit_bias={3: 101}), "logit_bias must be a map"),

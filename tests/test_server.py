@@ -92,7 +92,7 @@ def test_concurrent_requests_share_decode_steps(server, plain):
     before = server.metrics()
     results = asyncio.run(all_at_once())
     assert [ids for _, ids in results] == expected  # batching changes nothing
-    mine = {rid.removeprefix("cmpl-") for rid, _ in results}
+    mine = {rid.removeprefix("cmpl-") + "-0" for rid, _ in results}  # the engine request of prompt 0
     shared = [step for step in server.engine.trace if sum(r.request_id in mine and not r.is_prefill
                                                           for r in step.rows) >= 2]
     assert shared, "no engine step decoded two of these HTTP requests together"
@@ -156,13 +156,15 @@ BAD_COMPLETIONS = [  # (body, status, words in the message, param)
     ({"prompt": [3, "a"]}, 400, "'prompt' must be", "prompt"),
     ({"prompt": [3, True]}, 400, "'prompt' must be", "prompt"),
     ({"prompt": []}, 400, "'prompt' must be", "prompt"),
-    ({"prompt": [[3], [4]]}, 400, "'prompt' must be", "prompt"),  # several prompts: not yet
+    ({"prompt": [[3], "w5"]}, 400, "'prompt' must be", "prompt"),  # several prompts: all of one kind
+    ({"prompt": [[3], []]}, 400, "'prompt' must be", "prompt"),
+    ({"prompt": [[3], [3] * (MAX_LEN + 5)]}, 400, "prompt 1: prompt has 2053 tokens", None),  # all or nothing
     ({"prompt": "some text"}, 400, "has no tokenizer", "prompt"),
     ({"prompt": [3, 500]}, 400, "token ids must be integers in [0, 128)", "prompt"),
     ({"prompt": [3], "max_tokens": "8"}, 400, "'max_tokens': Input should be a valid integer", "max_tokens"),
     ({"prompt": [3], "max_tokens": 8.5}, 400, "'max_tokens': Input should be a valid integer", "max_tokens"),
-    ({"prompt": [3], "max_tokens": 0}, 400, "greater than or equal to 1", "max_tokens"),
-    ({"prompt": [3], "max_tokens": -5}, 400, "greater than or equal to 1", "max_tokens"),
+    ({"prompt": [3], "max_tokens": 0}, 400, "max_tokens must be at least 1 (0 is allowed only with echo", "max_tokens"),
+    ({"prompt": [3], "max_tokens": -5}, 400, "greater than or equal to 0", "max_tokens"),
     ({"prompt": [3], "max_tokens": 10**6}, 400, "exceeds max_model_len 2048", None),
     ({"prompt": [3] * (MAX_LEN + 5)}, 400, "exceeds max_model_len 2048", None),
     ({"prompt": [3], "temperature": -0.5}, 400, "'temperature': Input should be greater than or equal to 0", "temperature"),
@@ -173,7 +175,28 @@ BAD_COMPLETIONS = [  # (body, status, words in the message, param)
     ({"prompt": [3], "top_k": 2.5}, 400, "'top_k': Input should be a valid integer", "top_k"),
     ({"prompt": [3], "seed": "x"}, 400, "'seed': Input should be a valid integer", "seed"),
     ({"prompt": [3], "stream": "yes"}, 400, "'stream': Input should be a valid boolean", "stream"),
-    ({"prompt": [3], "n": 2}, 400, "'n' is not supported", "n"),
+    ({"prompt": [3], "n": 9}, 400, "n=9 samples need 9 slots, but max_num_seqs is 8", None),
+    ({"prompt": [3], "n": 129}, 400, "'n': Input should be less than or equal to 128", "n"),
+    ({"prompt": [3], "presence_penalty": 2.5}, 400, "'presence_penalty': Input should be less than or equal to 2",
+     "presence_penalty"),
+    ({"prompt": [3], "frequency_penalty": -3}, 400, "'frequency_penalty': Input should be greater than or equal to -2",
+     "frequency_penalty"),
+    ({"prompt": [3], "repetition_penalty": 0}, 400, "'repetition_penalty': Input should be greater than or equal to 0.01",
+     "repetition_penalty"),
+    ({"prompt": [3], "min_p": 1.5}, 400, "'min_p': Input should be less than or equal to 1", "min_p"),
+    ({"prompt": [3], "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens must be an integer in [0, max_tokens=4]",
+     "min_tokens"),
+    ({"prompt": [3], "logprobs": 21}, 400, "'logprobs': Input should be less than or equal to 20", "logprobs"),
+    ({"prompt": [3], "logprobs": True}, 400, "'logprobs': Input should be a valid integer", "logprobs"),
+    ({"prompt": [3], "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs is not available when streaming",
+     "prompt_logprobs"),
+    ({"prompt": [3], "logit_bias": {"w5": 1}}, 400, "'logit_bias' keys must be token ids written as strings",
+     "logit_bias"),
+    ({"prompt": [3], "logit_bias": {"5": 101}}, 400, "less than or equal to 100", "logit_bias"),
+    ({"prompt": [3], "logit_bias": {"500": 1}}, 400, "logit_bias token ids must be in [0, 128)", None),
+    ({"prompt": [3], "best_of": 2}, 400, "best_of is not supported by minicb (only null or the value of n", "best_of"),
+    ({"prompt": [3], "best_of": 0}, 400, "'best_of' is not supported by minicb", "best_of"),
+    ({"prompt": [3], "suffix": "!"}, 400, "'suffix' is not supported by minicb (only null)", "suffix"),
     ({"prompt": [3], "stop": ["\n"]}, 400, "stop strings are found in text", None),  # no tokenizer
     ({"prompt": [3], "stop": [""]}, 400, "'stop'", "stop"),
     ({"prompt": [3], "priority": 3}, 400, "scheduling_policy='priority'", None),
@@ -187,7 +210,6 @@ BAD_COMPLETIONS = [  # (body, status, words in the message, param)
     ({"prompt": [3], "best_of": {}}, 400, "'best_of': Input should be a valid integer", "best_of"),
     ({"prompt": [3], "n": True}, 400, "'n': Input should be a valid integer", "n"),
     ({"prompt": [3], "echo": 0}, 400, "'echo': Input should be a valid boolean", "echo"),
-    ({"prompt": [3], "echo": True}, 400, "'echo' is not supported", "echo"),
     ({"prompt": [3], "stream_options": {"include_usage": "yes"}}, 400, "'stream_options.include_usage'",
      "stream_options"),
     (b'{"prompt": [3], "temperature": NaN}', 400, "'temperature': Input should be a finite number", "temperature"),
@@ -234,9 +256,23 @@ def test_bad_input_is_refused_and_running_requests_survive(server, chat_server, 
     server.wait_idle()
     # Chat-specific refusals on the model that has a chat template.
     too_long = " ".join(["w50"] * MAX_LEN)
-    for body, words in (({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "'messages[0].content"),
-                        ({"messages": [{"role": "user", "content": too_long}]}, "leaves no room for a reply")):
-        check_error(chat_server.http.post("/v1/chat/completions", json=body), 400, words, "messages")
+    hi = [{"role": "user", "content": "w5"}]
+    for body, words, param in (
+            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "'messages[0].content", "messages"),
+            ({"messages": [{"role": "user", "content": too_long}]}, "leaves no room for a reply", "messages"),
+            ({"messages": hi, "top_logprobs": 2}, "top_logprobs needs logprobs: true", "top_logprobs"),
+            ({"messages": hi, "logprobs": False, "top_logprobs": 0}, "top_logprobs needs logprobs", "top_logprobs"),
+            ({"messages": hi, "logprobs": True, "top_logprobs": 21}, "less than or equal to 20", "top_logprobs"),
+            ({"messages": hi, "n": 2, "best_of": 2}, "'best_of'", None),  # not a chat field: ignored, 200
+            ({"messages": hi, "response_format": {"type": "json_object"}}, "'response_format' is not supported",
+             "response_format"),
+            ({"messages": hi, "tools": [{"type": "function"}]}, "'tools' is not supported", "tools")):
+        r = chat_server.http.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+        if param is None:
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        else:
+            check_error(r, 400, words, param)
+    chat_server.wait_idle()
 
 
 # ---------------------------------------------------------------------- clients that leave, a full queue
@@ -302,7 +338,7 @@ def test_openai_client(server, chat_server, plain):
     out = client.completions.create(model=server.name, prompt=[5, 6, 7], max_tokens=8, temperature=0)
     want = reference(plain, [[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0))[0]
     assert out.choices[0].token_ids == want and out.usage.completion_tokens == len(want)
-    with pytest.raises(openai.BadRequestError, match="max_tokens.: Input should be greater than or equal to 1"):
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
         client.completions.create(model=server.name, prompt=[5], max_tokens=0)
     chat = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     messages = [{"role": "user", "content": "w60 w61 w62"}]

@@ -3,6 +3,7 @@
     protocol.py     the request and response bodies (pydantic), which /openapi.json publishes
     validation.py   what is refused before a request reaches the engine, and OpenAI's error shape
     app.py          the FastAPI routes: tokenize, submit, stream server-sent events
+    responses.py    the response bodies: choices (prompt_index * n + sample), logprobs, echo, usage
     engine_loop.py  AsyncEngine: the one thread that steps the engine, and each request's stream
     metrics.py      the counters and histograms of GET /metrics (Prometheus text)
     cli.py          `python -m minicb serve`, and ServerThread (a server on loopback for tests)

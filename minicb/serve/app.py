@@ -7,16 +7,20 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both stream server-sent
 events ending in `data: [DONE]` when "stream": true), GET /health, GET /metrics (Prometheus text).
 /openapi.json documents every body, field and status (the models are in protocol.py).
+One HTTP request is one engine request per prompt (/v1/completions takes several), each with its n
+samples; responses.py turns their outputs into OpenAI's choices, logprobs and usage.
 
 Bad input is stopped at the edge, before it reaches the engine, because the engine's steps are
 shared: one request that broke a step would fail every stream in flight. In order:
   1. a body over --max-request-bytes gets 413 before it is read whole (BodySizeLimit);
   2. JSON is parsed here: nesting deeper than MAX_JSON_DEPTH or a string that is not valid Unicode
      (a lone surrogate such as "\ud800") gets 400;
-  3. the pydantic models check every field's type and range (400 naming the field, never 422);
+  3. the pydantic models check every field's type and range, and sampling_params() what holds
+     across fields (400 naming the field, never 422);
   4. tokenization and chat templating run in a worker thread, so a huge prompt costs its own
      sender and nobody else: the event loop keeps serving other clients meanwhile;
-  5. the engine refuses what only it can judge (prompt + max_tokens > max_model_len): 400.
+  5. the engine refuses what only it can judge (prompt + max_tokens > max_model_len, n > max_num_seqs):
+     400, and a request's prompts are admitted all or none.
 A request that still fails inside a step is stopped alone (engine.py, Engine._fail) and its
 client gets an error; everyone else keeps streaming. A full server answers 503 with Retry-After.
 Every error body has OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
@@ -32,12 +36,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from ..detokenizer import text_delta
 from ..llm import chat_token_ids
 from ..sampling_params import SamplingParams
 from .engine_loop import AsyncEngine, QueueFullError, RequestStream
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, ModelList, SamplingFields)
+from .responses import Choices, Prompt, echoed_prompt, vllm_prompt_logprobs
 from .validation import DEFAULT_MAX_REQUEST_BYTES, APIError, BodySizeLimit, CheckedJSONRoute, validation_error
 
 ERROR_STATUSES = {400: "invalid input (OpenAI error shape, naming the field)", 404: "model not served here",
@@ -68,33 +72,18 @@ def to_sampling_params(body: SamplingFields, default_max_tokens: int) -> Samplin
         raise APIError(400, str(e), str(e).split()[0]) from None
 
 
-# ---------------------------------------------------------------------- response bodies
-def choice(chat: bool, stream: bool, text: str, out, token_ids: list[int]) -> dict:
-    """One entry of "choices": text (completions), message (chat) or delta (chat stream)."""
-    if not chat:
-        c = {"index": 0, "text": text}
-    elif stream:
-        c = {"index": 0, "delta": {"content": text} if text or not out.finished else {}}
-    else:
-        c = {"index": 0, "message": {"role": "assistant", "content": text}}
-    return {**c, "logprobs": None, "finish_reason": out.outputs[0].finish_reason, "token_ids": token_ids}
-
-
-def usage(out) -> dict:
-    n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
-
-
 async def wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
-async def last_output(stream: RequestStream):
-    out = None
-    async for out in stream:
-        pass
-    return out
+async def last_outputs(stream: RequestStream) -> dict:
+    """Each prompt's last RequestOutput, by prompt index."""
+    last = {}
+    async for outputs in stream:
+        for out in outputs:
+            last[stream.prompt_index[out.request_id]] = out
+    return last
 
 
 # ---------------------------------------------------------------------- the app
@@ -149,11 +138,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
             raise APIError(404, f"model {body.model!r} is not served here; this server serves {model_name!r}",
                            "model", kind="not_found_error")
 
-    def tokenize_prompt(prompt) -> list[int]:
-        try:
-            return engine.tokenize(prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), "prompt") from None
+    def tokenize_prompts(prompts: list, echo: bool) -> list[Prompt]:
+        tokenized = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids = engine.tokenize(prompt)
+            except ValueError as e:
+                raise APIError(400, (f"prompt {i}: " if len(prompts) > 1 else "") + str(e), "prompt") from None
+            text = prompt if isinstance(prompt, str) else None
+            tokenized.append(echoed_prompt(engine.tokenizer, text, ids) if echo else Prompt(ids))
+        return tokenized
 
     def tokenize_chat(body: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -169,8 +163,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
               responses={200: {"content": STREAM}, **ERRORS})
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        prompt_ids = await run_in_threadpool(tokenize_prompt, body.one_prompt())  # off the event loop
-        return await generate(request, body, prompt_ids, to_sampling_params(body, 16), chat=False)
+        params = to_sampling_params(body, 16)
+        prompts = body.prompts()
+        if len(prompts) > async_engine.capacity:  # it could never be admitted whole
+            raise APIError(400, f"{len(prompts)} prompts in one request, but this server holds at most "
+                           f"{async_engine.capacity} requests (max_num_seqs + max_waiting)", "prompt")
+        tokenized = await run_in_threadpool(tokenize_prompts, prompts, body.echo)  # off the event loop
+        choices = Choices(tokenized, engine.tokenizer, chat=False, stream=body.stream, n=body.n,
+                          num_logprobs=body.logprobs, echo=body.echo, prompt_only=body.prompt_only,
+                          prompt_logprobs=body.prompt_logprobs is not None)
+        return await generate(request, body, params, choices)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses={200: {"content": STREAM}, **ERRORS})
@@ -178,57 +180,60 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
         check_model(body)
         prompt_ids = await run_in_threadpool(tokenize_chat, body)  # off the event loop
         params = to_sampling_params(body, room_for_reply(engine, len(prompt_ids)))
-        return await generate(request, body, prompt_ids, params, chat=True)
+        choices = Choices([Prompt(prompt_ids)], engine.tokenizer, chat=True, stream=body.stream, n=body.n,
+                          num_logprobs=body.num_top_logprobs, prompt_logprobs=body.prompt_logprobs is not None)
+        return await generate(request, body, params, choices)
 
-    async def generate(request: Request, body: SamplingFields, prompt_ids: list[int], params: SamplingParams,
-                       chat: bool):
+    async def generate(request: Request, body: SamplingFields, params: SamplingParams, choices: Choices):
         try:
-            stream = await async_engine.submit(prompt_ids, params, body.priority)
+            stream = await async_engine.submit([p.token_ids for p in choices.prompts], params, body.priority)
         except ValueError as e:  # too long for max_model_len or the KV cache; a priority without the policy
             raise APIError(400, str(e)) from None
         except QueueFullError as e:
             raise APIError(503, str(e), kind="overloaded") from None
         except RuntimeError as e:  # the engine loop is not running
             raise APIError(503, str(e), kind="server_error") from None
+        chat = choices.chat
         kind = ("chat.completion.chunk" if body.stream else "chat.completion") if chat else "text_completion"
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}", "object": kind,
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{stream.id}", "object": kind,
                 "created": int(time.time()), "model": model_name}
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(sse(stream, head, chat, include_usage), media_type="text/event-stream")
-        # Not streaming: wait for the last output, but abort if the client hangs up meanwhile.
-        result = asyncio.ensure_future(last_output(stream))
+            return StreamingResponse(sse(stream, head, choices, include_usage), media_type="text/event-stream")
+        # Not streaming: wait for the last outputs, but abort if the client hangs up meanwhile.
+        result = asyncio.ensure_future(last_outputs(stream))
         gone = asyncio.ensure_future(wait_for_disconnect(request))
         await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
         if not result.done():
-            result.cancel()  # its `async for` ends with CancelledError, which aborts the request
+            result.cancel()  # its `async for` ends with CancelledError, which aborts the requests
             return JSONResponse({}, status_code=499)  # nobody is listening any more
         try:
-            out = result.result()
-        except RuntimeError as e:  # this request failed inside the engine
+            outputs = result.result()
+        except RuntimeError as e:  # a request failed inside the engine
             raise APIError(500, str(e), kind="server_error") from None
-        sample = out.outputs[0]
-        return {**head, "choices": [choice(chat, False, sample.text, out, sample.token_ids)], "usage": usage(out)}
+        response = {**head, "choices": choices.whole(outputs), "usage": choices.usage()}
+        if chat and choices.prompt_logprobs:  # vLLM puts a chat's prompt logprobs beside its choices
+            response["prompt_logprobs"] = vllm_prompt_logprobs(outputs[0].prompt_logprobs)
+        return response
 
-    async def sse(stream: RequestStream, head: dict, chat: bool, include_usage: bool):
+    async def sse(stream: RequestStream, head: dict, choices: Choices, include_usage: bool):
         event = lambda payload: f"data: {json.dumps(payload)}\n\n"
-        if chat:  # OpenAI opens a chat stream with the role
-            yield event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]})
-        sent, out = "", None
+        if choices.chat:  # OpenAI opens a chat stream with the role
+            yield event({**head, "choices": choices.opening()})
+        failed = False
         try:
-            async for out in stream:
-                delta = text_delta(sent, out.outputs[0].text, out.finished)
-                sent += delta
-                yield event({**head, "choices": [choice(chat, True, delta, out, out.outputs[0].new_token_ids)]})
-        except RuntimeError as e:  # this request failed inside the engine: tell the client in the stream
+            async for outputs in stream:  # each chunk: the choices that changed, each with only what is new
+                changed = [c for out in outputs for c in choices.update(stream.prompt_index[out.request_id], out)]
+                if changed:
+                    yield event({**head, "choices": sorted(changed, key=lambda c: c["index"])})
+        except RuntimeError as e:  # a request failed inside the engine: tell the client in the stream
             yield event({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
-            out = None
-        finally:  # the client hung up (this generator was cancelled or closed): free its blocks now
+            failed = True
+        finally:  # the client hung up (this generator was cancelled or closed): free the blocks now
             stream.abort()
-        if include_usage and out is not None:
-            yield event({**head, "choices": [], "usage": usage(out)})
+        if include_usage and not failed:
+            yield event({**head, "choices": [], "usage": choices.usage()})
         yield "data: [DONE]\n\n"
 
     return app

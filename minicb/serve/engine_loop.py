@@ -4,8 +4,8 @@ The Engine is single-threaded on purpose (its scheduler and block manager are pl
 so exactly one thread, the *engine loop*, ever calls add_request / step / abort_request. HTTP
 handlers live in the asyncio event loop and talk to it through queues:
 
-    handler --inbox (queue.Queue, thread-safe)--> engine loop          "add this", "abort that"
-    engine loop --loop.call_soon_threadsafe--> one asyncio.Queue per request    each RequestOutput
+    handler --inbox (queue.Queue, thread-safe)--> engine loop          "add these", "abort those"
+    engine loop --loop.call_soon_threadsafe--> one asyncio.Queue per HTTP request    each RequestOutput
 
 The engine loop drains its inbox between two steps, so a request that arrives while a step runs
 joins the batch in the very next step: continuous batching (Orca, Yu et al., OSDI 2022) as seen
@@ -39,33 +39,42 @@ class QueueFullError(Exception):
 
 
 class RequestStream:
-    """What a handler holds for one accepted request: `async for out in stream` yields a
-    RequestOutput per new token, the last one with `.finished`. Leaving the loop early
-    (a client disconnect cancels the handler) aborts the request in the engine."""
+    """What a handler holds for one accepted HTTP request: its engine requests, one per prompt (each
+    with its n samples), and one queue they all deliver into. `async for outputs in stream` yields,
+    each time something arrives, the newest RequestOutput of every request that changed (a list),
+    until all have finished. Leaving the loop early (a client disconnect cancels the handler)
+    aborts every request that has not finished."""
 
-    def __init__(self, async_engine: "AsyncEngine", request_id: str):
-        self.request_id = request_id
+    def __init__(self, async_engine: "AsyncEngine", stream_id: str, num_prompts: int):
+        self.id = stream_id
+        self.request_ids = [f"{stream_id}-{i}" for i in range(num_prompts)]  # prompt i's engine request
+        self.prompt_index = {rid: i for i, rid in enumerate(self.request_ids)}
         self.queue: asyncio.Queue = asyncio.Queue()  # RequestOutput, or an Exception from the loop
-        self.finished = False
+        self.unfinished = set(self.request_ids)
         self._async_engine = async_engine
 
     async def __aiter__(self):
         try:
-            while not self.finished:
-                item = await self.queue.get()
-                if isinstance(item, Exception):
-                    self.finished = True
-                    raise item
-                self.finished = item.finished
-                yield item
+            while self.unfinished:
+                items = [await self.queue.get()]
+                while not self.queue.empty():  # a whole step arrives at once: take it all
+                    items.append(self.queue.get_nowait())
+                newest = {}
+                for item in items:
+                    if isinstance(item, Exception):
+                        raise item
+                    newest[item.request_id] = item  # outputs are cumulative: the newest holds the older
+                    if item.finished:
+                        self.unfinished.discard(item.request_id)
+                yield list(newest.values())
         finally:
             self.abort()  # cancelled or abandoned half-way: free the engine's resources
 
     def abort(self) -> None:
-        """Abort the request unless it already finished (safe to call more than once)."""
-        if not self.finished:
-            self.finished = True
-            self._async_engine.abort(self.request_id)
+        """Abort every request that has not finished (safe to call more than once)."""
+        if self.unfinished:
+            self._async_engine.abort(sorted(self.unfinished))
+            self.unfinished.clear()
 
 
 class AsyncEngine:
@@ -100,24 +109,25 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ called from the event loop
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestStream:
-        """Hand a request to the engine loop. Raises ValueError (the engine refuses it, e.g. too long
-        for max_model_len) or QueueFullError; in both cases nothing was queued."""
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int = 0) -> RequestStream:
+        """Hand the prompts of one HTTP request to the engine loop, one engine request each, all or
+        nothing. Raises ValueError (the engine refuses one, e.g. too long for max_model_len) or
+        QueueFullError; in both cases nothing was queued."""
         if not self.is_running:
             raise RuntimeError("the engine loop is not running")
-        stream = RequestStream(self, str(next(self._ids)))
+        stream = RequestStream(self, str(next(self._ids)), len(prompts))
         accepted = self._loop.create_future()
-        self._inbox.put(("add", stream, prompt_token_ids, params, priority, accepted))
+        self._inbox.put(("add", stream, prompts, params, priority, accepted))
         try:
             await accepted
         except asyncio.CancelledError:  # the client left before the engine answered
-            self.abort(stream.request_id)
+            self.abort(stream.request_ids)
             raise
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Thread-safe: ask the engine loop to abort a request (a no-op if it already finished)."""
-        self._inbox.put(("abort", request_id))
+    def abort(self, request_ids: list[str]) -> None:
+        """Thread-safe: ask the engine loop to abort requests (a no-op for those already finished)."""
+        self._inbox.put(("abort", request_ids))
 
     # ------------------------------------------------------------------ the engine loop (its own thread)
     def _run(self) -> None:
@@ -142,7 +152,8 @@ class AsyncEngine:
             if cmd[0] == "add":
                 self._add(*cmd[1:])
             else:
-                self._abort(cmd[1])
+                for request_id in cmd[1]:
+                    self._abort(request_id)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
@@ -153,22 +164,31 @@ class AsyncEngine:
         """Unfinished requests the server holds at most: every batch slot, plus max_waiting."""
         return self.engine.config.max_num_seqs + self.max_waiting
 
-    def _add(self, stream: RequestStream, prompt_token_ids, params, priority, accepted: asyncio.Future) -> None:
+    def _add(self, stream: RequestStream, prompts: list[list[int]], params, priority, accepted: asyncio.Future) -> None:
         error = None
         held = len(self.engine.scheduler.requests)  # every unfinished request, running or not
-        if held >= self.capacity:
-            error = QueueFullError(f"server full: it holds {held} unfinished requests (max_num_seqs="
+        if held + len(prompts) > self.capacity:
+            more = f" and this request has {len(prompts)} prompts" if len(prompts) > 1 else ""
+            error = QueueFullError(f"server full: it holds {held} unfinished requests{more} (max_num_seqs="
                                    f"{self.engine.config.max_num_seqs} + max_waiting={self.max_waiting}); retry later")
             self.metrics.count_rejected()
         else:
+            added = []
             try:
-                self.engine.add_request(prompt_token_ids, params, priority, request_id=stream.request_id)
-                self._streams[stream.request_id] = stream
-            except ValueError as e:  # the scheduler refused it; its state is unchanged
-                error = e
-            except Exception as e:  # a bug must not kill the engine loop
-                log.exception("add_request failed")
-                error = RuntimeError(f"the engine could not add this request: {type(e).__name__}: {e}")
+                for request_id, prompt_token_ids in zip(stream.request_ids, prompts):
+                    self.engine.add_request(prompt_token_ids, params, priority, request_id=request_id)
+                    added.append(request_id)
+            except Exception as e:  # all or nothing: no step ran since the first was added, undo them
+                for request_id in added:
+                    self.engine.abort_request(request_id)
+                where = f"prompt {len(added)}: " if len(prompts) > 1 else ""
+                if isinstance(e, ValueError):  # the scheduler refused it; its state is unchanged
+                    error = ValueError(where + str(e))
+                else:  # a bug must not kill the engine loop
+                    log.exception("add_request failed")
+                    error = RuntimeError(f"{where}the engine could not add this request: {type(e).__name__}: {e}")
+            else:
+                self._streams.update(dict.fromkeys(stream.request_ids, stream))
         self.metrics.publish_gauges(self.engine.scheduler)  # first, so that /metrics already counts a request its client sees accepted
         self._loop.call_soon_threadsafe(_resolve, accepted, error)
 
@@ -192,10 +212,10 @@ class AsyncEngine:
             return
         # Requests stopped for an error get it delivered; aborted ones were delivered by _abort.
         failed = [o for o in outputs if o.error is not None]
-        outputs = [o for o in outputs if o.outputs[0].new_token_ids]
+        outputs = [o for o in outputs if o.error is None and any(s.new_token_ids for s in o.outputs)]
         trace = self.engine.trace
         rows = len(trace.steps[-1].rows) if self.engine.config.record_trace and trace.steps else len(outputs)
-        self.metrics.record_step(rows, len(outputs))  # one new token per output
+        self.metrics.record_step(rows, sum(len(s.new_token_ids) for o in outputs for s in o.outputs))
         self.metrics.record_finished([o for o in outputs if o.finished] + failed)
         deliveries = []
         for out in failed:

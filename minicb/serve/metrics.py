@@ -76,8 +76,8 @@ class ServerMetrics:
 
     def record_finished(self, outputs) -> None:
         with self._lock:
-            for out in outputs:
-                self.finished_total[out.outputs[0].finish_reason] += 1
+            for out in outputs:  # one per request, whatever its n; its first sample's reason and pace
+                self.finished_total["error" if out.error else out.outputs[0].finish_reason] += 1
                 self.prompt_tokens_total += len(out.prompt_token_ids)
                 if out.metrics.ttft is not None:
                     self.ttft.observe(out.metrics.ttft)

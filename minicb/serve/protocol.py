@@ -4,29 +4,35 @@ FastAPI validates every request against these models before a handler runs, and 
 in /openapi.json, so the schema a client reads is the validation the server applies: every field
 with its type and range, every status a route returns. Types are strict where OpenAI's are
 (`"n": true` is not 1, `"temperature": "1"` is not a number), numbers are finite, and ranges are
-the ones the engine can honour (seeds and top_k as torch accepts them, see sampling_params.py).
-A field minicb does not implement is declared with its OpenAI type and accepted only with its
-neutral value, so a client that sends it gets a 400 that names it instead of silent ignorance.
+OpenAI's and vLLM's where the engine can honour them (seeds and top_k as torch accepts them, see
+sampling_params.py). What only holds across fields (best_of equal to n, top_logprobs needing
+logprobs) is checked by `sampling_params()`, which raises ValueError naming the field. A field
+minicb does not implement is declared with its OpenAI type and accepted only with its neutral
+value, so a client that sends it gets a 400 that names it instead of silent ignorance.
 Unknown extra fields are ignored, as vLLM does: clients send many newer OpenAI fields.
 (vLLM keeps the same models in vllm/entrypoints/openai/protocol.py.)
 """
 
-import dataclasses
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
-from ..sampling_params import MAX_TOKEN_ID, MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
+from ..sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TOKEN_ID, MAX_TOP_K, SEED_MAX,
+                               SEED_MIN, SamplingParams)
 
 INT64_MAX = 2**63 - 1
+MAX_N = 128  # OpenAI's bound on n; the engine also refuses more samples than max_num_seqs (400)
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number (an int too), never a bool
 TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[StrictStr, Field(min_length=1)]
+NumLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]  # top alternatives per token (vLLM's max_logprobs)
+Penalty = Annotated[Number, Field(ge=-2, le=2)]  # OpenAI's range for presence and frequency penalties
+TokenIdKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,19}$")]  # logit_bias keys: token ids as strings
 
 # Fields minicb does not implement: accepted only with the neutral value named here.
-UNSUPPORTED = {"n": "1", "best_of": "1", "echo": "false", "logprobs": "null, false or 0", "top_logprobs": "0",
-               "suffix": "null", "presence_penalty": "0", "frequency_penalty": "0",
-               "logit_bias": "null or {}", "tools": "null or []", "response_format": '{"type": "text"}'}
+UNSUPPORTED = {"best_of": "null or the value of n; vLLM V1 dropped it", "suffix": "null",
+               "tools": "null or []", "response_format": '{"type": "text"}'}
 
 
 class OpenAIModel(BaseModel):
@@ -39,66 +45,77 @@ class StreamOptions(OpenAIModel):
 
 
 class SamplingFields(OpenAIModel):
-    """What both endpoints share: the model, sampling, stopping, streaming."""
+    """What both endpoints share: the model, sampling, penalties, stopping, streaming."""
 
     model: StrictStr | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1  # samples per prompt (choices prompt_index * n + i)
     temperature: Annotated[Number, Field(ge=0)] | None = None  # default 1.0
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1, le=MAX_TOP_K)] | None = None  # vLLM's extension; 0 or -1: off
-    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None  # vLLM's extension
+    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None  # sample i uses seed + i
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[Number, Field(ge=1 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] | None = None
+    logit_bias: dict[TokenIdKey, Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] = 0  # vLLM's extension: no EOS before these
+    stop: Text | list[Text] | None = None
+    include_stop_str_in_output: StrictBool = False  # vLLM's extension: keep the stop string in the text
     stop_token_ids: list[TokenId] | None = None  # vLLM's extension
     ignore_eos: StrictBool = False  # vLLM's extension: generate exactly max_tokens
+    prompt_logprobs: NumLogprobs | None = None  # vLLM's extension: per prompt token (whole responses only)
     priority: Annotated[StrictInt, Field(ge=-INT64_MAX, le=INT64_MAX)] = 0  # vLLM's: lowest served first
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None  # accepted, unused
-    # Declared with OpenAI's types, refused unless neutral (see UNSUPPORTED).
-    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
-    presence_penalty: Annotated[Number, Field(ge=0, le=0)] | None = None
-    frequency_penalty: Annotated[Number, Field(ge=0, le=0)] | None = None
-    stop: Annotated[StrictStr, Field(min_length=1)] | list[Annotated[StrictStr, Field(min_length=1)]] | None = None
-    include_stop_str_in_output: StrictBool = False  # vLLM's extension: keep the stop string in the text
-    logit_bias: dict[StrictStr, Number] | None = None
 
-    @field_validator("echo", "logprobs", check_fields=False)
-    @classmethod
-    def _false_only(cls, v):
-        if v:
-            raise ValueError("not supported by minicb yet")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported by minicb yet")
-        return v
-
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams (raises ValueError, naming the field, for what it refuses)."""
-        return SamplingParams(
-            max_tokens=self.max_tokens or default_max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, stop=self.stop or None,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+    def sampling_fields(self, max_tokens: int) -> dict:
+        """The SamplingParams fields both endpoints set the same way."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when streaming (as in vLLM)")
+        return dict(
+            max_tokens=max_tokens, n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+            seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
+            min_tokens=self.min_tokens, stop=self.stop or None, include_stop_str_in_output=self.include_stop_str_in_output,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, prompt_logprobs=self.prompt_logprobs)
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions. `prompt`: text, token ids, or a list holding one of those."""
+    """POST /v1/completions. `prompt`: text, token ids, or a list of either (several prompts)."""
 
-    prompt: (Annotated[StrictStr, Field(min_length=1)] | TokenIds
-             | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=1)]
-             | Annotated[list[TokenIds], Field(min_length=1, max_length=1)])
-    echo: StrictBool = False
-    logprobs: Annotated[StrictInt, Field(ge=0, le=0)] | None = None
-    best_of: Annotated[StrictInt, Field(ge=1, le=1)] | None = None
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] | None = None  # 0: with echo, the prompt alone
+    echo: StrictBool = False  # the text (and logprobs) start with the prompt's
+    logprobs: NumLogprobs | None = None  # per token: the chosen token's plus this many top ones
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None  # only null or n (see UNSUPPORTED)
     suffix: None = None
 
-    def one_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
+        return p if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0 with echo: the engine samples one token (it needs one), the reply drops it."""
+        return self.max_tokens == 0
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's SamplingParams (raises ValueError, naming the field, for what it refuses)."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of is not supported by minicb (only {UNSUPPORTED['best_of']}), got {self.best_of}")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo: the prompt alone)")
+        if self.max_tokens == 0 and self.min_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens (0), got {self.min_tokens}")
+        fields = self.sampling_fields(1 if self.prompt_only else self.max_tokens or default_max_tokens)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs come from prefill
+            fields["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
+        return SamplingParams(**fields, logprobs=self.logprobs)
 
 
 class TextPart(OpenAIModel):
@@ -120,8 +137,8 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None  # the newer name
-    logprobs: StrictBool | None = None
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=0)] | None = None
+    logprobs: StrictBool | None = None  # each generated token's logprob
+    top_logprobs: NumLogprobs | None = None  # and this many top alternatives (needs logprobs: true)
     tools: Annotated[list[dict], Field(max_length=0)] | None = None
     response_format: dict | None = None
 
@@ -132,11 +149,16 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("only {\"type\": \"text\"} is supported by minicb")
         return v
 
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """Top alternatives per generated token; None: no logprobs at all."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        params = super().sampling_params(default_max_tokens)
-        if self.max_completion_tokens is not None:  # the newer name wins
-            params = dataclasses.replace(params, max_tokens=self.max_completion_tokens)
-        return params
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true (as in OpenAI's API)")
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens  # the newer name wins
+        return SamplingParams(**self.sampling_fields(max_tokens), logprobs=self.num_top_logprobs)
 
 
 # ---------------------------------------------------------------------------------- responses
@@ -152,22 +174,57 @@ class ErrorResponse(BaseModel):
 
 
 class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
+    prompt_tokens: int  # each prompt once, whatever n
+    completion_tokens: int  # every sample's
     total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completions format: one entry per token (the echoed prompt's first, then the generated)."""
+
+    tokens: list[str]  # each token's text
+    token_logprobs: list[float | None]  # null for the first prompt token, which nothing predicts
+    top_logprobs: list[dict[str, float] | None]  # the chosen token and the top alternatives
+    text_offset: list[int]  # where each token's text starts in the choice's text
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's text in UTF-8
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's chat format."""
+
+    content: list[TokenLogprob] | None
+
+
+class PromptLogprob(BaseModel):  # vLLM's Logprob
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # vLLM's: one per prompt token, keyed by token id
 
 
 class Choice(BaseModel):
     """What every kind of choice has; each adds its text as text, message or delta."""
 
-    index: int
-    logprobs: None = None
+    index: int  # prompt_index * n + sample index
     finish_reason: Literal["stop", "length", "abort"] | None
     token_ids: list[int] = []  # minicb: the generated ids (of this chunk, when streaming)
 
 
 class CompletionChoice(Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -186,6 +243,7 @@ class ChatMessageOut(BaseModel):
 
 class ChatChoice(Choice):
     message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -195,6 +253,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class ChatDelta(BaseModel):
@@ -204,6 +263,7 @@ class ChatDelta(BaseModel):
 
 class ChatStreamChoice(Choice):
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -116,7 +116,7 @@ class CheckedJSONRoute(APIRoute):
 
 
 TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "constrained", "literal", "function")
-PROMPT_FORMS = "a non-empty string, a list of integer token ids, or a list holding one of those (one prompt)"
+PROMPT_FORMS = "a non-empty string, a list of integer token ids, or a non-empty list of either (several prompts)"
 
 
 def validation_error(e: RequestValidationError) -> APIError:
@@ -133,6 +133,9 @@ def validation_error(e: RequestValidationError) -> APIError:
     neutral = UNSUPPORTED.get(field)
     if neutral is not None and not err["type"].endswith("_type"):  # right type, a value minicb lacks
         return APIError(400, f"'{field}' is not supported by minicb (only {neutral})", field)
+    if field == "logit_bias" and err["type"] == "string_pattern_mismatch":  # a key that is no token id
+        return APIError(400, f"'logit_bias' keys must be token ids written as strings (OpenAI's format, "
+                        f"e.g. {{\"50256\": -100}}), got {json.dumps(err.get('input'))[:50]}", field)
     if field == "prompt" and err["type"] != "missing":
         return APIError(400, f"'prompt' must be {PROMPT_FORMS}", "prompt")
     got = json.dumps(err.get("input"))[:50] if err.get("input") is not None else "nothing"
