@@ -383,6 +383,60 @@ def test_compare_zooms_every_panel(runs):
         assert np.array_equal(ax.images[0].get_array(), alone) and ax.get_title().startswith(name[0])
 
 
+def drawn_blocks(ax):
+    """A fork_map panel read back: {kind: [(block id, first row, rows spanned), ...]} from its boxes and labels."""
+    kind_of = {to_hex(color): kind for kind, (color, _) in viz.KINDS.items()}
+    label_at = {tuple(np.round(t.get_position(), 3)): t.get_text() for t in ax.texts}
+    drawn = {}
+    for box in ax.patches:
+        x, y = box.get_xy()
+        label = label_at[tuple(np.round((x + 0.5, y + box.get_height() / 2), 3))]
+        block = int(label.split()[0].removeprefix("#"))
+        drawn.setdefault(kind_of[to_hex(box.get_facecolor())], []).append((block, y, box.get_height()))
+    return drawn
+
+
+def test_parallel_sampling_figure_draws_what_the_block_manager_did():
+    from minicb.viz import figures_blocks
+
+    forked, separate, copies = figures_blocks.parallel_sampling_runs()
+    step = figures_blocks.first_step_past_prompt(forked.trace, 200)
+    rec = forked.trace[step - 1]
+    fork_ax, separate_ax, bar_ax = figures.FIGURES["nb02_parallel_sampling"]().axes
+    fork, sep = drawn_blocks(fork_ax), drawn_blocks(separate_ax)
+    # The scheduler's own copies: the first decode step copies the shared partial block for 7 of the 8 samples.
+    made = [c for step_copies in copies.values() for c in step_copies]
+    assert len(made) == 7 and copies[2] == made and len({src for src, _ in made}) == 1
+    (src,) = {src for src, _ in made}
+    table = rec.block_tables["0"]
+    assert sorted(fork) == ["copied", "decode", "in place", "shared"]
+    assert fork["shared"] == [(b, 0, 8) for b in table[:12]]  # each full prompt block once, across all 8 rows
+    assert sorted(b for b, *_ in fork["copied"]) == sorted(dst for _, dst in made)
+    assert [b for b, *_ in fork["in place"]] == [src]  # the last writer kept the original
+    assert len(fork["decode"]) == 8 and all(h == 1 for *_, h in fork["decode"] + fork["copied"])
+    assert sorted(sep) == ["decode", "private"] and len(sep["private"]) == 104 and len(sep["decode"]) == 8
+    # Every block drawn once, and as many as the block manager counted as used in that step: 28 against 112.
+    for ax_blocks, run, used in ((fork, forked, 28), (sep, separate, 112)):
+        ids = [b for boxes in ax_blocks.values() for b, *_ in boxes]
+        assert len(ids) == len(set(ids)) == run.trace.num_blocks - run.trace[step - 1].num_free_blocks == used
+    heights = {}
+    for bar in bar_ax.patches:  # stacked: per kind, the forked bar then the separate one
+        heights.setdefault(to_hex(bar.get_facecolor()), []).append(bar.get_height())
+    assert {kind: heights[to_hex(c)] for kind, (c, _) in viz.KINDS.items()} == {
+        "shared": [12, 0], "private": [0, 104], "copied": [7, 0], "in place": [1, 0], "decode": [8, 8]}
+
+
+def test_a_prompt_that_fills_its_blocks_forks_without_copies():
+    from minicb.viz import figures_blocks
+
+    forked, separate, copies = figures_blocks.parallel_sampling_runs(n=4, prompt_len=192, output_len=4)
+    assert not any(copies.values())  # position 192 opens a new block for every sample: nothing to copy
+    assert viz.count_kinds(viz.block_kinds(forked.trace, 2, 192)) == dict(
+        shared=12, private=0, copied=0, **{"in place": 0}, decode=4)
+    assert viz.count_kinds(viz.block_kinds(separate.trace, 2, 192)) == dict(
+        shared=0, private=48, copied=0, **{"in place": 0}, decode=4)
+
+
 def test_every_registered_figure_draws(tmp_path):
     import argparse
 

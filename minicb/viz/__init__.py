@@ -10,8 +10,11 @@ Time runs left to right in steps everywhere, and a request keeps its colour in e
             (blocks x steps) and block_grid (one step): owner, fill, shared and cached blocks
   charts    request_timeline: one bar per request (waiting, prefill, decode, paused);
             latency_distributions: CDFs of TTFT / TPOT; curves / bars: back-of-envelope models
+  sampling  fork_map: the blocks n samples of one prompt share, copy on write and open, beside n
+            separate requests; block_kinds / count_kinds: the same from a trace, as data
   widgets   step_through: a slider over the steps (ipywidgets), or the static figure headless
-  figures   FIGURES, the registry behind `python -m minicb figures` (imported on its own, not here)
+  figures   FIGURES, the registry behind `python -m minicb figures` (imported on its own, not here;
+            notebook 02's figures live in figures_blocks)
 
 Figures are made with pyplot and closed at once: a notebook then shows a figure exactly when it
 displays it (no second copy at the end of the cell) and loops do not pile up open figures.
@@ -21,10 +24,12 @@ The package imports no torch: it draws traces from the simulator as well as from
 from ..trace import Trace
 from .blocks import EVENTS, BlockView, block_grid, block_views, memory_map
 from .charts import bars, curves, latency_distributions, request_timeline
+from .sampling import KINDS, block_kinds, count_kinds, fork_map
 from .slots import compare_slot_occupancy, slot_occupancy, utilization_curves
 from .style import CACHED, request_colors
 from .widgets import step_through
 
 __all__ = ["Trace", "CACHED", "EVENTS", "BlockView", "block_views", "memory_map", "block_grid",
            "slot_occupancy", "compare_slot_occupancy", "utilization_curves", "request_timeline",
-           "latency_distributions", "curves", "bars", "request_colors", "step_through"]
+           "latency_distributions", "curves", "bars", "request_colors", "step_through", "KINDS", "block_kinds",
+           "count_kinds", "fork_map"]

@@ -4,7 +4,8 @@ Each entry of FIGURES is a name and a function returning a matplotlib Figure, so
 rebuilt alone (`python -m minicb figures --only NAME`) and a notebook can draw the very same one
 (`FIGURES["nb00_static_vs_continuous"]()`). All of them come from the simulator or from arithmetic
 on published model configs: no model is loaded, and the whole set takes a few seconds.
-The demo's figures come from `python -m minicb demo`, the benchmark's from `python -m minicb bench`.
+Notebook 02's figures are made in figures_blocks.py. The demo's figures come from `python -m minicb demo`,
+the benchmark's from `python -m minicb bench`.
 """
 
 import math
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 from .. import viz
 from ..config import EngineConfig, cdiv
 from ..sim import SimRequest, simulate
+from .figures_blocks import parallel_sampling, prefix_sharing_grid, prefix_sharing_map
 
 BURNERS = tuple(zip("ABCDEF", (4, 4, 10, 10, 4, 4)))  # keep-the-burners-busy.txt, section 3
 ABCD = (("A", 5), ("B", 200), ("C", 3), ("D", 150), ("E", 4), ("F", 6))  # iteration-level-scheduling.txt
@@ -176,25 +178,6 @@ def fragmentation():
                       title="Internal fragmentation: the unfilled tail of each request's last block")
 
 
-# --- notebook 02: the block manager
-def _shared_prompt_run():
-    system = list(range(900, 912))  # a 12-token system prompt: 3 full blocks of 4
-    reqs = [SimRequest(prompt_len=14 + i, output_len=5 + 3 * i, arrival_step=1 + 2 * i,
-                       prompt_token_ids=system + list(range(100 * i, 100 * i + 2 + i))) for i in range(4)]
-    reqs.append(SimRequest(prompt_len=14, output_len=4, arrival_step=22, prompt_token_ids=system + [7, 7]))
-    return simulate(reqs, EngineConfig(max_num_seqs=4, block_size=4, num_blocks=24))
-
-
-def prefix_sharing_grid():
-    return viz.block_grid(_shared_prompt_run().trace, 7,
-                          title="Step 7: requests 1, 2 and 3 share the 3 blocks of a 12-token system prompt;\n"
-                          "block #3 is free but still caches request 0's prefix")
-
-
-def prefix_sharing_map():
-    return viz.memory_map(_shared_prompt_run().trace, title="Prefix sharing over time (24 blocks of 4 tokens)")
-
-
 # --- notebook 03: the scheduler
 def _policy_runs():
     reqs = ([SimRequest(prompt_len=8, output_len=60, request_id="L")]
@@ -269,6 +252,7 @@ FIGURES = {
     "nb01_fragmentation": fragmentation,
     "nb02_prefix_sharing_grid": prefix_sharing_grid,
     "nb02_prefix_sharing_map": prefix_sharing_map,
+    "nb02_parallel_sampling": parallel_sampling,
     "nb03_policies": policies,
     "nb03_policy_latency": policy_latency,
     "nb03_late_arrivals_static": lambda: _late_arrivals("static"),
