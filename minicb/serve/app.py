@@ -40,7 +40,7 @@ from ..llm import chat_token_ids
 from ..sampling_params import SamplingParams
 from .engine_loop import AsyncEngine, QueueFullError, RequestStream
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       ErrorResponse, ModelList, SamplingFields)
+                       ErrorResponse, ModelList, SamplingFields, StreamOptions)
 from .responses import Choices, Prompt, echoed_prompt, vllm_prompt_logprobs
 from .validation import DEFAULT_MAX_REQUEST_BYTES, APIError, BodySizeLimit, CheckedJSONRoute, validation_error
 
@@ -198,8 +198,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{stream.id}", "object": kind,
                 "created": int(time.time()), "model": model_name}
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(sse(stream, head, choices, include_usage), media_type="text/event-stream")
+            usage = body.stream_options or StreamOptions()
+            return StreamingResponse(sse(stream, head, choices, usage), media_type="text/event-stream")
         # Not streaming: wait for the last outputs, but abort if the client hangs up meanwhile.
         result = asyncio.ensure_future(last_outputs(stream))
         gone = asyncio.ensure_future(wait_for_disconnect(request))
@@ -217,7 +217,11 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
             response["prompt_logprobs"] = vllm_prompt_logprobs(outputs[0].prompt_logprobs)
         return response
 
-    async def sse(stream: RequestStream, head: dict, choices: Choices, include_usage: bool):
+    async def sse(stream: RequestStream, head: dict, choices: Choices, usage: StreamOptions):
+        """Server-sent events. With stream_options.include_usage a last chunk carries the token counts;
+        with continuous_usage_stats too, every chunk carries the counts so far (vLLM's extension)."""
+        counts = (lambda: {"usage": choices.usage()}) if usage.include_usage and usage.continuous_usage_stats \
+            else (lambda: {})
         event = lambda payload: f"data: {json.dumps(payload)}\n\n"
         if choices.chat:  # OpenAI opens a chat stream with the role
             yield event({**head, "choices": choices.opening()})
@@ -226,13 +230,13 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
             async for outputs in stream:  # each chunk: the choices that changed, each with only what is new
                 changed = [c for out in outputs for c in choices.update(stream.prompt_index[out.request_id], out)]
                 if changed:
-                    yield event({**head, "choices": sorted(changed, key=lambda c: c["index"])})
+                    yield event({**head, "choices": sorted(changed, key=lambda c: c["index"]), **counts()})
         except RuntimeError as e:  # a request failed inside the engine: tell the client in the stream
             yield event({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
             failed = True
         finally:  # the client hung up (this generator was cancelled or closed): free the blocks now
             stream.abort()
-        if include_usage and not failed:
+        if usage.include_usage and not failed:
             yield event({**head, "choices": [], "usage": choices.usage()})
         yield "data: [DONE]\n\n"
 

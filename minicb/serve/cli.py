@@ -82,13 +82,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help=f"larger request bodies get 413 before they are read (default {DEFAULT_MAX_REQUEST_BYTES})")
     parser.add_argument("--trace-steps", type=int, default=1000, help="engine steps kept in the trace")
+    parser.add_argument("--request-log", default=None, metavar="FILE",
+                        help="append one JSON line per finished request: the server's own times (received, "
+                             "engine arrival, first token, finish) and token counts, to set beside a client's")
 
 
 def main(args) -> None:
     from ..engine import Engine
 
     engine = Engine(engine_config(args))
-    app = build_app(AsyncEngine(engine, args.max_waiting, args.trace_steps), args.served_model_name,
+    app = build_app(AsyncEngine(engine, args.max_waiting, args.trace_steps, args.request_log), args.served_model_name,
                     args.max_request_bytes)
     c = engine.config
     print(f"minicb: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1 "

@@ -20,12 +20,15 @@ stopped alone by the engine, its client gets the error, every other stream goes 
 
 import asyncio
 import itertools
+import json
 import logging
 import queue
 import threading
+import time
 
 from typing import TYPE_CHECKING
 
+from ..metrics import tpot
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
 
@@ -52,6 +55,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()  # RequestOutput, or an Exception from the loop
         self.unfinished = set(self.request_ids)
         self._async_engine = async_engine
+        self.received_at = time.perf_counter()  # handed to the engine loop (parsed and tokenized already)
 
     async def __aiter__(self):
         try:
@@ -78,7 +82,8 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: "Engine", max_waiting: int = 64, trace_steps: int = 1000):
+    def __init__(self, engine: "Engine", max_waiting: int = 64, trace_steps: int = 1000,
+                 request_log: str | None = None):
         if not isinstance(max_waiting, int) or max_waiting < 1:
             raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
         self.engine = engine
@@ -90,6 +95,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.metrics = ServerMetrics()  # written by the engine loop, read by GET /metrics
+        # One JSON line per finished request with the server's own times (python -m minicb serve
+        # --request-log): what a client's measurements are compared with (bench/clients/compare.py).
+        self.request_log = open(request_log, "a", buffering=1) if request_log else None
         self.metrics.publish_gauges(engine.scheduler)
 
     # ------------------------------------------------------------------ lifecycle
@@ -229,9 +237,22 @@ class AsyncEngine:
                 deliveries.append((stream.queue, out))
                 if out.finished:
                     del self._streams[out.request_id]
+                    self._log_request(stream, out)
         self.metrics.publish_gauges(self.engine.scheduler)  # first, so that a client reading /metrics after its last token sees it freed
         if deliveries:
             self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _log_request(self, stream: RequestStream, out) -> None:
+        """The server's view of one finished request: times in seconds (time.perf_counter)."""
+        if self.request_log is None:
+            return
+        m, sample = out.metrics, out.outputs[0]
+        gap = tpot(m, len(sample.token_ids))
+        self.request_log.write(json.dumps({
+            "stream_id": stream.id, "request_id": out.request_id, "received": stream.received_at,
+            "arrival": m.arrival_time, "first_token": m.first_token_time, "finish": m.finish_time,
+            "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(sample.token_ids),
+            "ttft_s": m.first_token_time - stream.received_at, "engine_ttft_s": m.ttft, "tpot_s": gap}) + "\n")
 
     def _fail_all(self, error: Exception) -> None:
         failure = RuntimeError(f"the engine failed while running this request: {type(error).__name__}: {error}")

@@ -41,7 +41,7 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False  # a last chunk with the token counts
-    continuous_usage_stats: StrictBool = False  # accepted for vLLM clients; minicb sends usage at the end
+    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, every chunk carries the counts so far
 
 
 class SamplingFields(OpenAIModel):

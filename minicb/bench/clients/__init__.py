@@ -1,0 +1,1 @@
+"""Standard clients (lm-eval, guidellm) against python -m minicb serve: requirements, tasks, and compare.py."""
