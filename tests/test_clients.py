@@ -145,9 +145,11 @@ def test_compare_matches_guidellm_requests_to_the_servers_by_response_id(tmp_pat
     (tmp_path / "server.jsonl").write_text("".join(json.dumps(r) + "\n" for r in server))
     client = [{"response_id": f"chatcmpl-{i}", "time_to_first_token_ms": 510.0, "inter_token_latency_ms": 50.5,
                "request_latency": 2.02} for i in (1, 2, 7)]  # 7: a request the server never logged
-    (tmp_path / "g.json").write_text(json.dumps({"benchmarks": [{"requests": {"successful": client}}]}))
-    pairs = load(str(tmp_path / "g.json"), str(tmp_path / "server.jsonl"))
-    assert [s["stream_id"] for _, s in pairs] == ["1", "2"]
+    bench = {"config": {"strategy": {"type_": "concurrent", "streams": 4}}, "requests": {"successful": client}}
+    (tmp_path / "g.json").write_text(json.dumps({"benchmarks": [bench]}))
+    found = load(str(tmp_path / "g.json"), str(tmp_path / "server.jsonl"))
+    pairs = found["concurrent@4"]
+    assert list(found) == ["concurrent@4"] and [s["stream_id"] for _, s in pairs] == ["1", "2"]
     (what, c, s), *_ = rows(pairs)
     assert c == [510.0, 510.0] and s == [500.0, 500.0]
     assert "2 requests seen by both" in table(pairs)

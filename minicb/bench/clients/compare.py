@@ -21,8 +21,9 @@ import json
 import statistics
 
 
-def load(guidellm_json: str, server_jsonl: str) -> list[tuple[dict, dict]]:
-    """(guidellm's request stats, the server's log line) for every request both saw."""
+def load(guidellm_json: str, server_jsonl: str) -> dict[str, list[tuple[dict, dict]]]:
+    """{guidellm benchmark (e.g. "concurrent@4"): [(guidellm's request stats, the server's log line)]}
+    for every request both saw."""
     server = {}
     with open(server_jsonl) as f:
         for line in f:
@@ -30,13 +31,15 @@ def load(guidellm_json: str, server_jsonl: str) -> list[tuple[dict, dict]]:
             server[rec["stream_id"]] = rec
     with open(guidellm_json) as f:
         report = json.load(f)
-    pairs = []
+    found = {}
     for bench in report["benchmarks"]:
+        strategy = bench.get("config", {}).get("strategy", {})
+        name = f"{strategy.get('type_', 'run')}@{strategy.get('streams', len(found) + 1)}"
         for req in bench["requests"]["successful"]:
             stream_id = (req.get("response_id") or "").rsplit("-", 1)[-1]
             if stream_id in server:
-                pairs.append((req, server[stream_id]))
-    return pairs
+                found.setdefault(name, []).append((req, server[stream_id]))
+    return found
 
 
 def rows(pairs: list[tuple[dict, dict]]) -> list[tuple[str, list[float], list[float]]]:
@@ -54,8 +57,8 @@ def rows(pairs: list[tuple[dict, dict]]) -> list[tuple[str, list[float], list[fl
             ("request latency", client_latency, server_latency)]
 
 
-def table(pairs: list[tuple[dict, dict]]) -> str:
-    lines = [f"{len(pairs)} requests seen by both guidellm and the server (ms; mean / median)",
+def table(pairs: list[tuple[dict, dict]], name: str = "") -> str:
+    lines = [f"{name + ': ' if name else ''}{len(pairs)} requests seen by both guidellm and the server (ms; mean / median)",
              f"{'':38}{'guidellm (client)':>20}{'minicb (server)':>20}{'client - server':>20}"]
     for what, client, server in rows(pairs):
         diff = [c - s for c, s in zip(client, server)]
@@ -70,11 +73,11 @@ def main(argv=None) -> None:
     parser.add_argument("guidellm_json", help="guidellm's --output kind=json file")
     parser.add_argument("server_jsonl", help="the file given to python -m minicb serve --request-log")
     args = parser.parse_args(argv)
-    pairs = load(args.guidellm_json, args.server_jsonl)
-    if not pairs:
+    found = load(args.guidellm_json, args.server_jsonl)
+    if not found:
         raise SystemExit("no request is in both files: was the server started with --request-log, and "
                          "did guidellm run against it?")
-    print(table(pairs))
+    print("\n\n".join(table(pairs, name) for name, pairs in found.items()))
 
 
 if __name__ == "__main__":
