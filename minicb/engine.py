@@ -18,6 +18,7 @@ from .loader import LoadedModel, load_model
 from .cpu_kernels import prepack_for_cpu
 from .model import CausalLM
 from .model_runner import ModelRunner, ModelRunnerOutput
+from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
@@ -66,49 +67,32 @@ class Engine:
 
             self.runner.graph_runner = DecodeGraphRunner(self.runner)
         self.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
+        self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)  # text, logprobs, samples -> outputs
         self._next_id = 0  # for request ids chosen by the engine
         self._num_added = 0  # arrival order (FIFO key)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.model_name!r} has no tokenizer: pass token ids instead of text")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        ids = list(prompt)
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids must be integers in [0, {self.vocab_size}) (the vocabulary), got {bad[:5]}")
-        return ids
+        return self.input_processor.tokenize(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
                     request_id: str | None = None) -> str:
         """Queue a prompt (text or token ids). Raises ValueError, changing nothing, if it can never run."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = self.tokenize(prompt)
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings are found in text, and model {self.model_name!r} has no tokenizer")
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}) (the vocabulary), "
-                             f"got {max(params.logit_bias)}")
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
-        sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]  # vLLM's child ids
-        if any(sid in self.output_processor.owner for sid in sample_ids):
-            raise ValueError(f"request id {request_id!r} (or one of its samples' ids) is already in use")
-        samples = [Request(sid, ids, params.for_sample(i), priority, arrival_index=self._num_added,
-                           eos_token_ids=self.eos_token_ids, prompt=prompt if isinstance(prompt, str) else None,
-                           sample_index=i) for i, sid in enumerate(sample_ids)]
-        req, req.forks = samples[0], samples[1:]
-        req.metrics.arrival_time = time.perf_counter()
-        self.scheduler.add_request(req)  # refuses (changing nothing) what could never run
+        self.add_samples(self.input_processor.make_request(prompt, params, priority, request_id,
+                                                           self.output_processor.owner))
+        return request_id
+
+    def add_samples(self, samples: list[Request]) -> None:
+        """Queue a request already made by an InputProcessor (here, or in a server's API process)."""
+        for sample in samples:
+            sample.arrival_index = self._num_added  # arrival order here: the FIFO key
+        self.scheduler.add_request(samples[0])  # refuses (changing nothing) what could never run
         self.output_processor.add_request(samples)
         self._num_added += 1
-        return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request, all its samples included. Returns its last output, None if unknown."""
