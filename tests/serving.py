@@ -15,6 +15,7 @@ from minicb import LLM, Engine, EngineConfig
 from minicb.serve.app import build_app
 from minicb.serve.cli import ServerThread
 from minicb.serve.engine_loop import AsyncEngine
+from minicb.serve.metrics import parse_metrics
 
 CONFIG = dict(dtype="float64", block_size=4, num_blocks=1024, max_num_seqs=8)
 MAX_LEN = 2048  # the tiny models' max_position_embeddings: long enough to outlive a disconnect
@@ -34,15 +35,15 @@ class Served:
         self.name = loaded.name
 
     def metrics(self) -> dict[str, float]:
-        lines = self.http.get("/metrics").text.splitlines()
-        return {k.removeprefix("minicb_"): float(v) for k, v in (l.rsplit(" ", 1) for l in lines if l[:1] != "#")}
+        """GET /metrics as {'vllm:num_requests_running': 1.0, ...} (labels other than model_name kept)."""
+        return parse_metrics(self.http.get("/metrics").text)
 
     def wait_idle(self, timeout=10.0) -> dict[str, float]:
         """Metrics once nothing runs or waits and every KV block is free (fails after `timeout`)."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            if m["num_requests_running"] == m["num_requests_waiting"] == m["kv_blocks_used"] == 0:
+            if m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == m["minicb:kv_blocks_used"] == 0:
                 return m
             assert time.monotonic() < deadline, f"server not idle after {timeout} s: {m}"
             time.sleep(0.02)

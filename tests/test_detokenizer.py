@@ -86,3 +86,32 @@ def test_a_streamed_reply_equals_the_whole_reply_byte_for_byte(byte_tokenizer, t
     assert streamed.encode() == whole["text"].encode() == byte_tokenizer.decode(whole["token_ids"]).encode()
     assert any(len(t.encode()) > 1 for t in streamed)  # multi-byte characters were in the stream
     assert json.dumps(streamed)  # nothing a JSON encoder refuses (e.g. a lone surrogate)
+
+
+def test_the_same_over_an_engine_core_process(byte_tokenizer, tmp_path):
+    # The server's default: the core process sends token ids, the HTTP process detokenizes them.
+    from contextlib import ExitStack
+
+    import httpx
+
+    from minicb import EngineConfig
+    from minicb.loader import save_tiny_model
+    from minicb.serve.app import build_app
+    from minicb.serve.cli import ServerThread
+    from minicb.serve.engine_core import RemoteEngine
+    from minicb.serve.engine_loop import AsyncEngine
+    from serving import sse_events
+
+    path = save_tiny_model(tmp_path / "bytes", seed=4, vocab_size=256, bos_token_id=0, eos_token_id=1)
+    byte_tokenizer.save_pretrained(path)
+    engine = RemoteEngine(EngineConfig(model=str(path), dtype="float64", block_size=4, num_blocks=128))
+    body = {"prompt": "日本", "max_tokens": 40, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    with ExitStack() as stack:
+        http = stack.enter_context(httpx.Client(base_url=stack.enter_context(ServerThread(build_app(AsyncEngine(engine)))),
+                                                timeout=30))
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            pieces = sse_events(r)
+    streamed = "".join(p["choices"][0]["text"] for p in pieces)
+    assert streamed.encode() == whole["text"].encode() == byte_tokenizer.decode(whole["token_ids"]).encode()
+    assert any(len(t.encode()) > 1 for t in streamed)

@@ -57,11 +57,13 @@ def test_models_health_and_metrics(server):
     assert server.http.get("/health").json() == {"status": "ok"}
     r = server.http.get("/metrics")
     assert r.headers["content-type"].startswith("text/plain")
-    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_blocks_used",
-                 "kv_blocks_free", "generation_tokens_per_second", "time_to_first_token_seconds_bucket",
-                 "time_per_output_token_seconds_count", "batch_size_bucket"):
-        assert f"minicb_{name}" in r.text
-    assert server.metrics()["kv_blocks_free"] == CONFIG["num_blocks"]
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "minicb:num_requests_swapped", "minicb:kv_blocks_used", "minicb:kv_blocks_free",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "minicb:batch_size_bucket"):
+        assert f"{name}{{" in r.text
+    assert f'vllm:num_requests_running{{model_name="{server.name}"}} 0.0' in r.text  # vLLM's label, the served name
+    assert server.metrics()["minicb:kv_blocks_free"] == CONFIG["num_blocks"]
 
 
 def test_concurrent_requests_share_decode_steps(server, plain):
@@ -98,10 +100,10 @@ def test_concurrent_requests_share_decode_steps(server, plain):
     assert shared, "no engine step decoded two of these HTTP requests together"
     after = server.wait_idle()
     # The batch-size histogram of /metrics saw steps with more than one request in them.
-    more_than_one = lambda m: m["batch_size_count"] - m['batch_size_bucket{le="1"}']
+    more_than_one = lambda m: m["minicb:batch_size_count"] - m['minicb:batch_size_bucket{le="1.0"}']
     assert more_than_one(after) > more_than_one(before)
-    assert after['requests_finished_total{finish_reason="length"}'] - \
-        before['requests_finished_total{finish_reason="length"}'] == 8
+    assert after['vllm:request_success_total{finished_reason="length"}'] - \
+        before['vllm:request_success_total{finished_reason="length"}'] == 8
 
 
 def test_streamed_equals_non_streamed_completions(server, plain):
@@ -248,7 +250,7 @@ def test_bad_input_is_refused_and_running_requests_survive(server, chat_server, 
         check_error(server.http.get("/v1/nowhere"), 404, "Not Found", None)
         check_error(server.http.get("/v1/completions"), 405, "Method Not Allowed", None)
         assert server.http.delete("/v1/models").headers["allow"] == "GET"  # HTTP requires Allow on a 405
-        assert server.metrics()["num_requests_running"] == 1, "the survivor should still be running"
+        assert server.metrics()["vllm:num_requests_running"] == 1, "the survivor should still be running"
         rest = [line for line in lines if line.startswith("data: ")]
     chunks = [json.loads(line[6:]) for line in [first] + rest[:-1]]
     assert rest[-1] == "data: [DONE]"
@@ -283,11 +285,11 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
         lines = r.iter_lines()
         for _ in range(3):  # a few tokens arrive, then this client hangs up
             next(line for line in lines if line.startswith("data: "))
-        assert server.metrics()["kv_blocks_used"] > 0
+        assert server.metrics()["minicb:kv_blocks_used"] > 0
     after = server.wait_idle()
-    aborted = 'requests_finished_total{finish_reason="abort"}'
+    aborted = 'vllm:request_success_total{finished_reason="abort"}'
     assert after[aborted] == before[aborted] + 1
-    assert after["kv_blocks_free"] == CONFIG["num_blocks"]
+    assert after["minicb:kv_blocks_free"] == CONFIG["num_blocks"]
     # A non-streaming client that times out is aborted as well.
     with pytest.raises(httpx.ReadTimeout):
         server.http.post("/v1/completions", json={**body, "stream": False}, timeout=0.3)
@@ -303,12 +305,12 @@ def test_full_waiting_queue_answers_503(plain):
             with s.http.stream("POST", "/v1/completions", json=body) as second:
                 assert second.status_code == 200  # accepted: it waits for the only slot
                 m = s.metrics()
-                assert (m["num_requests_running"], m["num_requests_waiting"]) == (1, 1)
+                assert (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == (1, 1)
                 r = s.http.post("/v1/completions", json=body)
                 assert r.status_code == 503 and r.headers["retry-after"] == "1"
                 assert "max_waiting=1" in r.json()["error"]["message"]
         m = s.wait_idle()  # both clients left: the running and the waiting request were aborted
-        assert m['requests_finished_total{finish_reason="abort"}'] == 2 and m["requests_rejected_total"] == 1
+        assert m['vllm:request_success_total{finished_reason="abort"}'] == 2 and m["vllm:admission_rejections_total"] == 1
         ok = s.http.post("/v1/completions", json={"prompt": [7], "max_tokens": 3, "temperature": 0})
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) >= 1
         assert 0 < len(s.engine.trace) <= 20  # the trace keeps only the newest steps

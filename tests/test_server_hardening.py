@@ -89,7 +89,7 @@ def test_the_fuzzing_reports_inputs_hurt_nobody(worded):
             assert status == 200
             finished_normally(events, tokens)
         m = s.wait_idle()
-        assert m["kv_blocks_free"] == CONFIG["num_blocks"]
+        assert m["minicb:kv_blocks_free"] == CONFIG["num_blocks"]
 
 
 def test_405_names_the_allowed_methods_and_metrics_are_text(worded):
@@ -136,8 +136,8 @@ def test_a_request_that_breaks_sampling_fails_alone(worded):
             assert status == 200
             finished_normally(events, tokens)
         m = s.wait_idle()
-        assert m['requests_finished_total{finish_reason="error"}'] == 1
-        assert m['requests_finished_total{finish_reason="length"}'] == 3
+        assert m['vllm:request_success_total{finished_reason="error"}'] == 1
+        assert m['vllm:request_success_total{finished_reason="length"}'] == 3
 
 
 def test_a_huge_body_costs_only_its_sender(worded):
@@ -167,11 +167,11 @@ def test_a_burst_of_capacity_is_admitted_and_one_more_gets_503(worded):
         long = {"prompt": [9], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
         streams = Streams(s, [long] * 5)
         deadline = time.monotonic() + 10
-        while (m := s.metrics())["num_requests_running"] + m["num_requests_waiting"] < 5:
+        while (m := s.metrics())["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] < 5:
             assert time.monotonic() < deadline, m
             time.sleep(0.01)
         r = s.http.post("/v1/completions", json={"prompt": [9], "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert "max_num_seqs=2 + max_waiting=3" in r.json()["error"]["message"]
         assert all(status == 200 for status, _ in streams.join())
-        assert s.wait_idle()["requests_rejected_total"] == 1
+        assert s.wait_idle()["vllm:admission_rejections_total"] == 1

@@ -245,7 +245,7 @@ def test_several_prompts_are_all_or_nothing_and_a_disconnect_aborts_them_all(ser
     r = server.http.post("/v1/completions", json={"prompt": [[5, 6], [7] * (MAX_LEN + 1)], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt 1: prompt has 257 tokens")
     after = server.wait_idle()
-    assert after["engine_steps_total"] == before["engine_steps_total"]  # prompt 0 never ran
+    assert after["minicb:engine_steps_total"] == before["minicb:engine_steps_total"]  # prompt 0 never ran
     body = {"prompt": [[5, 6], [8, 9]], "n": 2, "max_tokens": MAX_LEN - 3, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with server.http.stream("POST", "/v1/completions", json=body) as stream:
@@ -254,8 +254,8 @@ def test_several_prompts_are_all_or_nothing_and_a_disconnect_aborts_them_all(ser
         while len(seen) < 4:  # every choice streams, then this client hangs up
             line = next(line for line in lines if line.startswith("data: "))
             seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
-        assert server.metrics()["num_requests_running"] >= 2
-    aborted = 'requests_finished_total{finish_reason="abort"}'
+        assert server.metrics()["vllm:num_requests_running"] >= 2
+    aborted = 'vllm:request_success_total{finished_reason="abort"}'
     assert server.wait_idle()[aborted] == after[aborted] + 2
 
 
@@ -263,7 +263,7 @@ def test_metrics_count_every_samples_tokens(client, server):
     before = server.wait_idle()
     ask(client, False, False, ["w10", "w11"], n=3, max_tokens=4, temperature=1.0, extra_body={"ignore_eos": True})
     after = server.wait_idle()
-    assert after["generation_tokens_total"] - before["generation_tokens_total"] == 2 * 3 * 4
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 2 * 3 * 4
 
 
 # ---------------------------------------------------------------------- echo

@@ -5,7 +5,7 @@
     app.py          the FastAPI routes: tokenize, submit, stream server-sent events
     responses.py    the response bodies: choices (prompt_index * n + sample), logprobs, echo, usage
     engine_loop.py  AsyncEngine: the one thread that steps the engine, and each request's stream
-    metrics.py      the counters and histograms of GET /metrics (Prometheus text)
+    metrics.py      the gauges, counters and histograms of GET /metrics (prometheus_client, vLLM's names)
     cli.py          `python -m minicb serve`, and ServerThread (a server on loopback for tests)
     loadtest.py     `python -m minicb.serve.loadtest`: a bounded loopback load test
 """

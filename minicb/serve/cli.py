@@ -82,19 +82,28 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help=f"larger request bodies get 413 before they are read (default {DEFAULT_MAX_REQUEST_BYTES})")
     parser.add_argument("--trace-steps", type=int, default=1000, help="engine steps kept in the trace")
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine in the server's process (a thread) instead of an engine-core process")
     parser.add_argument("--request-log", default=None, metavar="FILE",
                         help="append one JSON line per finished request: the server's own times (received, "
                              "engine arrival, first token, finish) and token counts, to set beside a client's")
 
 
 def main(args) -> None:
-    from ..engine import Engine
+    if args.engine_in_process:
+        from ..engine import Engine
 
-    engine = Engine(engine_config(args))
-    app = build_app(AsyncEngine(engine, args.max_waiting, args.trace_steps, args.request_log), args.served_model_name,
+        engine = Engine(engine_config(args))
+    else:  # the default: the core schedules and steps in its own process, this one speaks HTTP
+        from .engine_core import RemoteEngine
+
+        engine = RemoteEngine(engine_config(args))
+    app = build_app(AsyncEngine(engine, args.max_waiting, args.trace_steps, args.request_log,
+                                args.served_model_name), args.served_model_name,
                     args.max_request_bytes)
     c = engine.config
     print(f"minicb: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1 "
           f"({c.num_blocks} KV blocks of {c.block_size}, {c.max_num_seqs} slots, {c.scheduling_policy}, "
-          f"max_waiting={args.max_waiting})", flush=True)
+          f"max_waiting={args.max_waiting}, engine core {'in this process' if args.engine_in_process else 'in its own process'})",
+          flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)

@@ -7,6 +7,10 @@ handlers live in the asyncio event loop and talk to it through queues:
     handler --inbox (queue.Queue, thread-safe)--> engine loop          "add these", "abort those"
     engine loop --loop.call_soon_threadsafe--> one asyncio.Queue per HTTP request    each RequestOutput
 
+The engine is an Engine in this process (tests, notebooks, `serve --engine-in-process`) or, by
+default, a RemoteEngine whose core runs in its own process (engine_core.py): the loop below is the
+same for both, and with a RemoteEngine its step() waits for the core's next step instead of computing it.
+
 The engine loop drains its inbox between two steps, so a request that arrives while a step runs
 joins the batch in the very next step: continuous batching (Orca, Yu et al., OSDI 2022) as seen
 from the network. The loop also keeps the serving metrics that GET /metrics shows.
@@ -28,9 +32,9 @@ import time
 
 from typing import TYPE_CHECKING
 
-from ..metrics import tpot
 from ..sampling_params import SamplingParams
-from .metrics import ServerMetrics
+from .engine_core import RemoteEngine
+from .metrics import ServerMetrics, request_record, scheduler_stats
 
 if TYPE_CHECKING:  # the engine pulls in torch; this module is imported by the CLI's --help
     from ..engine import Engine
@@ -83,22 +87,23 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: "Engine", max_waiting: int = 64, trace_steps: int = 1000,
-                 request_log: str | None = None):
+                 request_log: str | None = None, served_model_name: str | None = None):
         if not isinstance(max_waiting, int) or max_waiting < 1:
             raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
         self.engine = engine
         self.max_waiting = max_waiting
-        engine.trace.max_steps = trace_steps  # a server runs for days: keep only the newest steps
+        if not isinstance(engine, RemoteEngine):  # the core process keeps its own trace
+            engine.trace.max_steps = trace_steps  # a server runs for days: keep only the newest steps
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # touched by the engine loop only
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.metrics = ServerMetrics()  # written by the engine loop, read by GET /metrics
+        self.metrics = ServerMetrics(served_model_name or engine.model_name)  # written by the loop, read by /metrics
         # One JSON line per finished request with the server's own times (python -m minicb serve
         # --request-log): what a client's measurements are compared with (bench/clients/compare.py).
         self.request_log = open(request_log, "a", buffering=1) if request_log else None
-        self.metrics.publish_gauges(engine.scheduler)
+        self.metrics.publish_gauges(self._gauges())
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -111,10 +116,14 @@ class AsyncEngine:
         if self._thread is not None:
             self._inbox.put(("stop",))
             self._thread.join(timeout)
+        if isinstance(self.engine, RemoteEngine):
+            self.engine.shutdown(timeout)
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The engine loop runs, and so does the engine core if it has a process of its own."""
+        alive = self.engine.is_alive() if isinstance(self.engine, RemoteEngine) else True
+        return self._thread is not None and self._thread.is_alive() and alive
 
     # ------------------------------------------------------------------ called from the event loop
     async def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int = 0) -> RequestStream:
@@ -174,7 +183,8 @@ class AsyncEngine:
 
     def _add(self, stream: RequestStream, prompts: list[list[int]], params, priority, accepted: asyncio.Future) -> None:
         error = None
-        held = len(self.engine.scheduler.requests)  # every unfinished request, running or not
+        held = sum(not all(s.is_finished for s in group)  # every unfinished request, running or not
+                   for group in self.engine.output_processor.samples.values())
         if held + len(prompts) > self.capacity:
             more = f" and this request has {len(prompts)} prompts" if len(prompts) > 1 else ""
             error = QueueFullError(f"server full: it holds {held} unfinished requests{more} (max_num_seqs="
@@ -197,7 +207,7 @@ class AsyncEngine:
                     error = RuntimeError(f"{where}the engine could not add this request: {type(e).__name__}: {e}")
             else:
                 self._streams.update(dict.fromkeys(stream.request_ids, stream))
-        self.metrics.publish_gauges(self.engine.scheduler)  # first, so that /metrics already counts a request its client sees accepted
+        self.metrics.publish_gauges(self._gauges())  # first, so that /metrics already counts a request its client sees accepted
         self._loop.call_soon_threadsafe(_resolve, accepted, error)
 
     def _abort(self, request_id: str) -> None:
@@ -207,7 +217,7 @@ class AsyncEngine:
             self.metrics.record_finished([out])
             if stream is not None:
                 self._loop.call_soon_threadsafe(_deliver, [(stream.queue, out)])
-        self.metrics.publish_gauges(self.engine.scheduler)
+        self.metrics.publish_gauges(self._gauges())
 
     def _step(self) -> None:
         try:
@@ -221,9 +231,9 @@ class AsyncEngine:
         # Requests stopped for an error get it delivered; aborted ones were delivered by _abort.
         failed = [o for o in outputs if o.error is not None]
         outputs = [o for o in outputs if o.error is None and any(s.new_token_ids for s in o.outputs)]
-        trace = self.engine.trace
-        rows = len(trace.steps[-1].rows) if self.engine.config.record_trace and trace.steps else len(outputs)
-        self.metrics.record_step(rows, sum(len(s.new_token_ids) for o in outputs for s in o.outputs))
+        rows, num_preempted = self._step_info(outputs)
+        if not isinstance(self.engine, RemoteEngine) or self.engine.stepped:  # not a wait that saw no step
+            self.metrics.record_step(rows, sum(len(s.new_token_ids) for o in outputs for s in o.outputs), num_preempted)
         self.metrics.record_finished([o for o in outputs if o.finished] + failed)
         deliveries = []
         for out in failed:
@@ -237,22 +247,11 @@ class AsyncEngine:
                 deliveries.append((stream.queue, out))
                 if out.finished:
                     del self._streams[out.request_id]
-                    self._log_request(stream, out)
-        self.metrics.publish_gauges(self.engine.scheduler)  # first, so that a client reading /metrics after its last token sees it freed
+                    if self.request_log is not None:  # the server's view of it (--request-log)
+                        self.request_log.write(json.dumps(request_record(out, stream.id, stream.received_at)) + "\n")
+        self.metrics.publish_gauges(self._gauges())  # first, so that a client reading /metrics after its last token sees it freed
         if deliveries:
             self._loop.call_soon_threadsafe(_deliver, deliveries)
-
-    def _log_request(self, stream: RequestStream, out) -> None:
-        """The server's view of one finished request: times in seconds (time.perf_counter)."""
-        if self.request_log is None:
-            return
-        m, sample = out.metrics, out.outputs[0]
-        gap = tpot(m, len(sample.token_ids))
-        self.request_log.write(json.dumps({
-            "stream_id": stream.id, "request_id": out.request_id, "received": stream.received_at,
-            "arrival": m.arrival_time, "first_token": m.first_token_time, "finish": m.finish_time,
-            "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(sample.token_ids),
-            "ttft_s": m.first_token_time - stream.received_at, "engine_ttft_s": m.ttft, "tpot_s": gap}) + "\n")
 
     def _fail_all(self, error: Exception) -> None:
         failure = RuntimeError(f"the engine failed while running this request: {type(error).__name__}: {error}")
@@ -261,9 +260,19 @@ class AsyncEngine:
             self.metrics.count_error()
             self._loop.call_soon_threadsafe(_deliver, [(stream.queue, failure)])
         self._streams.clear()
-        for req in list(self.engine.scheduler.requests):  # anything left without a listener
+        for req in list(self.engine.output_processor.samples):  # anything left without a listener
             self.engine.abort_request(req)
-        self.metrics.publish_gauges(self.engine.scheduler)
+        self.metrics.publish_gauges(self._gauges())
+
+    def _step_info(self, outputs) -> tuple[int, int]:
+        """(rows in the batch, requests preempted) of the step just run, from the trace or the core."""
+        if isinstance(self.engine, RemoteEngine):
+            return self.engine.last_step_rows, self.engine.last_step_preempted
+        rec = self.engine.trace.steps[-1] if self.engine.config.record_trace and self.engine.trace.steps else None
+        return (len(rec.rows), len(rec.preempted) + len(rec.swapped_out)) if rec else (len(outputs), 0)
+
+    def _gauges(self) -> dict:
+        return self.engine.stats if isinstance(self.engine, RemoteEngine) else scheduler_stats(self.engine.scheduler)
 
     def metrics_text(self) -> str:
         return self.metrics.text()

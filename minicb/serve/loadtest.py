@@ -32,8 +32,11 @@ from urllib.parse import urlparse
 import httpx
 
 from ..metrics import percentile
+from .metrics import parse_metrics
 
 CANCELLED = "cancelled at the time limit"
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "minicb:kv_blocks_used", "minicb:kv_blocks_free",
+          "minicb:kv_blocks_total")  # read from /metrics once the load has passed
 
 
 def make_workload(num_requests: int, prompt_len: int, max_tokens: int, seed: int) -> list[dict]:
@@ -98,10 +101,8 @@ async def server_state(client, timeout: float = 10.0) -> dict:
     """The /metrics gauges once the server is idle (running = waiting = 0), or after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
-        text = (await client.get("/metrics")).text
-        gauges = {k.removeprefix("minicb_"): float(v) for k, v in
-                  (line.split() for line in text.splitlines() if line and not line.startswith("#"))
-                  if "{" not in k}
+        m = parse_metrics((await client.get("/metrics")).text)
+        gauges = {name.split(":")[1]: m[name] for name in GAUGES}
         idle = gauges["num_requests_running"] == gauges["num_requests_waiting"] == 0
         if (idle and gauges["kv_blocks_used"] == 0) or time.monotonic() > deadline:
             return gauges

@@ -1,117 +1,246 @@
-"""The server's metrics, in Prometheus' text format (GET /metrics).
+"""The server's metrics (GET /metrics), kept with prometheus_client under vLLM's names.
 
-Written by the engine loop after every step and read by HTTP handlers, so every field is touched
-under one lock. Gauges: requests running / waiting / swapped, KV blocks used / free / total.
-Counters: engine steps, prompt and generated tokens, requests finished (by finish reason, "error"
-included) and rejected. Histograms: TTFT, TPOT (a request's mean time per output token) and the
-batch size of a step; and generated tokens per second over the last few seconds.
+A monitoring system (Prometheus) reads /metrics every few seconds and stores each series; dashboards
+and alerts then ask it questions such as `rate(vllm:generation_tokens_total[1m])` (tokens/s) or
+`histogram_quantile(0.99, rate(vllm:time_to_first_token_seconds_bucket[5m]))` (p99 TTFT). Three
+kinds: a gauge is a value now; a counter only grows (its name ends in `_total`, and its rate is what
+one reads); a histogram counts observations into cumulative buckets (`le`: at most this) with a
+`_sum` and a `_count`, from which quantiles are estimated.
+
+The names are vLLM's (V1, "Production Metrics" in vLLM's docs) wherever vLLM measures the same
+thing, so that a dashboard made for vLLM reads minicb, and every series has vLLM's `model_name`
+label. What vLLM does not have keeps a `minicb:` name.
+
+Gauges, the scheduler's state (publish_gauges, with a dict from scheduler_stats):
+  vllm:num_requests_running      requests in the running batch
+  vllm:num_requests_waiting      requests waiting for a slot (those preempted by recompute too)
+  vllm:kv_cache_usage_perc       KV blocks in use / all KV blocks, from 0 to 1
+  vllm:cache_config_info         always 1: its labels block_size and num_gpu_blocks say the KV cache's shape
+  minicb:num_requests_swapped    preempted requests whose KV blocks wait in CPU memory (vLLM V1 has no swap)
+  minicb:kv_blocks_used, minicb:kv_blocks_free, minicb:kv_blocks_total
+Per engine step (record_step):
+  vllm:generation_tokens         tokens generated, every sample of a request with n > 1 included
+  vllm:num_preemptions           requests preempted, by recompute or by swap
+  minicb:engine_steps            steps run
+  minicb:batch_size              (histogram) requests in one step: the rows of its batch
+Per finished request (record_finished: one observation per request, with its first sample's times):
+  vllm:request_success           requests finished, by label finished_reason: stop, length, abort, or
+                                 error (stopped by a failure in the engine; recent vLLM has it too)
+  vllm:prompt_tokens             prompt tokens of the requests that were prefilled
+  vllm:request_prompt_tokens, vllm:request_generation_tokens   (histograms) tokens of one request
+  vllm:time_to_first_token_seconds   arrival -> first token: queueing + prefill (TTFT)
+  vllm:request_queue_time_seconds    arrival -> first scheduled
+  vllm:request_prefill_time_seconds  first scheduled -> first token
+  vllm:request_decode_time_seconds   first token -> last token
+  vllm:e2e_request_latency_seconds   arrival -> finish
+  vllm:request_time_per_output_token_seconds  the request's mean gap between two output tokens,
+                                 decode time / (tokens - 1): minicb's TPOT (minicb/metrics.py)
+  vllm:inter_token_latency_seconds   every gap between two consecutive tokens (ITL); its tail shows
+                                 the stalls that a request's mean hides
+Admission (count_rejected):
+  vllm:admission_rejections      requests refused because the server held max_num_seqs + max_waiting
+                                 (HTTP 503), the rule of vLLM's --max-num-queued-reqs; vLLM adds a
+                                 `reason` label naming which of its two caps refused
+
+Where minicb differs: vLLM observes TTFT and counts prompt tokens in the step that makes a request's
+first token, and ITL at every step; minicb observes everything of a request when it finishes, from
+the times the engine recorded (so those series lag by one request). vLLM observes a TPOT of 0 for a
+request of one token; minicb has no TPOT for it. Tokens per second are Prometheus' rate() of
+vllm:generation_tokens_total; the server keeps no window of its own.
 """
 
 import threading
-import time
-from collections import deque
 
-from ..metrics import tpot
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # seconds
-TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)  # seconds per token
+from ..metrics import inter_token_latencies, mean_gap
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# Bucket bounds: vLLM's, with finer ones below theirs where a tiny model on a CPU answers in milliseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # seconds (vLLM's)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # seconds (vLLM's from 0.01)
+REQUEST_BUCKETS = (0.001, 0.01, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # seconds (vLLM's from 0.3)
+TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 500000
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows in one step
-THROUGHPUT_WINDOW_S = 10.0  # tokens/s is averaged over the last few seconds
+
+# Observed once per finished request: name -> (help, buckets).
+REQUEST_HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": ("Arrival to first token (TTFT), seconds.", TTFT_BUCKETS),
+    "vllm:request_queue_time_seconds": ("Arrival to first scheduled, seconds.", REQUEST_BUCKETS),
+    "vllm:request_prefill_time_seconds": ("First scheduled to first token, seconds.", REQUEST_BUCKETS),
+    "vllm:request_decode_time_seconds": ("First token to last token, seconds.", REQUEST_BUCKETS),
+    "vllm:e2e_request_latency_seconds": ("Arrival to finish, seconds.", REQUEST_BUCKETS),
+    "vllm:request_time_per_output_token_seconds": ("A request's mean time between two output tokens (TPOT), "
+                                                   "seconds.", TOKEN_GAP_BUCKETS),
+    "vllm:request_prompt_tokens": ("Prompt tokens of a request.", TOKEN_COUNT_BUCKETS),
+    "vllm:request_generation_tokens": ("Tokens generated for a request, all its samples.", TOKEN_COUNT_BUCKETS),
+}
 
 
-class Histogram:
-    """A Prometheus histogram: cumulative bucket counts, a sum and a count."""
+def scheduler_stats(scheduler) -> dict[str, int]:
+    """What the gauges show, read from a minicb Scheduler: plain ints, so that an engine running in
+    another process can send them (vLLM's engine core sends its SchedulerStats the same way)."""
+    bm = scheduler.block_manager
+    return dict(num_requests_running=len(scheduler.running), num_requests_waiting=len(scheduler.waiting),
+                num_requests_swapped=len(scheduler.swapped), kv_blocks_used=bm.num_used_blocks,
+                kv_blocks_free=bm.num_free_blocks, kv_blocks_total=bm.num_blocks, block_size=bm.block_size)
 
-    def __init__(self, buckets):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)  # observations <= bucket bound (cumulative)
-        self.sum = 0.0
-        self.count = 0
 
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-        self.sum += value
-        self.count += 1
+def request_record(out, stream_id: str, received_at: float) -> dict:
+    """One finished request as the server saw it (serve --request-log): times in seconds of
+    time.perf_counter, TTFT from `received_at` (when the engine loop was handed it) and from the
+    engine's arrival, TPOT as the mean gap between its first sample's output tokens."""
+    m, sample, t = out.metrics, out.outputs[0], out.metrics.token_times
+    return {"stream_id": stream_id, "request_id": out.request_id, "received": received_at,
+            "arrival": m.arrival_time, "first_token": m.first_token_time, "finish": m.finish_time,
+            "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(sample.token_ids),
+            "ttft_s": None if m.first_token_time is None else m.first_token_time - received_at,
+            "engine_ttft_s": m.ttft, "tpot_s": (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None}
 
-    def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6f}",
-                      f"{name}_count {self.count}"]
 
+def request_observations(out) -> dict[str, float | None]:
+    """One finished RequestOutput's value for each of REQUEST_HISTOGRAMS (None: not defined for it,
+    e.g. no TTFT for a request aborted before its first token). Times are its first sample's."""
+    m = out.metrics
+    t = m.token_times  # when each output token came out
+    first, last = (t[0], t[-1]) if t else (None, None)
+    since = lambda a, b: b - a if a is not None and b is not None else None
+    return {"vllm:time_to_first_token_seconds": m.ttft,
+            "vllm:request_queue_time_seconds": m.queue_time,
+            "vllm:request_prefill_time_seconds": since(m.first_scheduled_time, first),
+            "vllm:request_decode_time_seconds": since(first, last),
+            "vllm:e2e_request_latency_seconds": since(m.arrival_time, m.finish_time),
+            "vllm:request_time_per_output_token_seconds": mean_gap(first, last, len(t)),
+            "vllm:request_prompt_tokens": len(out.prompt_token_ids),
+            "vllm:request_generation_tokens": sum(len(s.token_ids) for s in out.outputs)}
 
 
 class ServerMetrics:
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
-        self.batch_size = Histogram(BATCH_BUCKETS)
-        self.num_steps = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.finished_total = {"stop": 0, "length": 0, "abort": 0, "error": 0}
-        self.rejected_total = 0
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
-        self.gauges: dict[str, int] = {}
+    """The server's metrics: written by the engine loop, read by GET /metrics (text()).
 
-    def record_step(self, rows: int, new_tokens: int) -> None:
-        now = time.perf_counter()
+    Each instance has its own CollectorRegistry instead of prometheus_client's global REGISTRY, so
+    that two servers in one process (the tests start many) never share a value. One lock covers every
+    write and text(), so a reading never shows half of an update (e.g. a request counted as running
+    while its KV blocks are not yet counted as used)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.gauges: dict[str, int] = {}  # the last dict given to publish_gauges
+        self._lock = threading.Lock()
+        reg, label = self.registry, ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(name, doc, label, registry=reg).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, label, registry=reg).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, label, buckets=buckets, registry=reg).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for a slot.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage: used blocks / all blocks (1 = full).")
+        self.cache_config = Gauge("vllm:cache_config_info", "The KV cache's shape, in the labels.",
+                                  ["block_size", "num_gpu_blocks"], registry=reg)
+        self.swapped = gauge("minicb:num_requests_swapped", "Preempted requests whose KV blocks are in CPU memory.")
+        self.blocks = {k: gauge(f"minicb:{k}", f"KV blocks {k.removeprefix('kv_blocks_')}.")
+                       for k in ("kv_blocks_used", "kv_blocks_free", "kv_blocks_total")}
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.preemptions = counter("vllm:num_preemptions", "Requests preempted (by recompute or swap).")
+        self.steps = counter("minicb:engine_steps", "Engine steps run.")
+        self.batch_size = histogram("minicb:batch_size", "Requests (rows) in one engine step.", BATCH_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of the requests prefilled.")
+        self.success = Counter("vllm:request_success", "Requests finished, by finish reason.",
+                               label + ["finished_reason"], registry=reg)
+        for reason in FINISH_REASONS:  # every reason is shown from the start, at 0
+            self.success.labels(model_name, reason)
+        self.rejections = counter("vllm:admission_rejections", "Requests refused: the server was full (HTTP 503).")
+        self.per_request = {name: histogram(name, doc, buckets) for name, (doc, buckets) in REQUEST_HISTOGRAMS.items()}
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two consecutive output tokens, "
+                             "seconds.", TOKEN_GAP_BUCKETS)
+
+    # ------------------------------------------------------------------ written by the engine loop
+    def record_step(self, rows: int, new_tokens: int, num_preempted: int = 0) -> None:
+        """One engine step: its batch had `rows` requests, made `new_tokens` tokens, preempted some."""
         with self._lock:
-            self.num_steps += 1
+            self.steps.inc()
             self.batch_size.observe(rows)
-            self.generation_tokens_total += new_tokens
-            self._recent.append((now, new_tokens))
-            while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
-                self._recent.popleft()
+            self.generation_tokens.inc(new_tokens)
+            self.preemptions.inc(num_preempted)
+
+    def record_finished(self, outputs) -> None:
+        """Finished RequestOutputs (one per request, whatever its n): its finish reason (its first
+        sample's; "error" when the engine stopped it) and its times."""
+        with self._lock:
+            for out in outputs:
+                reason = "error" if out.error else str(out.outputs[0].finish_reason)
+                self.success.labels(self.model_name, reason).inc()
+                if out.metrics.first_token_time is not None:  # its prompt went through the model
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                for name, value in request_observations(out).items():
+                    if value is not None:
+                        self.per_request[name].observe(value)
+                for gap in inter_token_latencies(out.metrics):
+                    self.itl.observe(gap)
 
     def count_rejected(self) -> None:
         with self._lock:
-            self.rejected_total += 1
+            self.rejections.inc()
 
     def count_error(self) -> None:
+        """A request that failed without a RequestOutput (the engine loop gave up on it)."""
         with self._lock:
-            self.finished_total["error"] += 1
+            self.success.labels(self.model_name, "error").inc()
 
-    def record_finished(self, outputs) -> None:
+    def publish_gauges(self, stats: dict[str, int]) -> None:
+        """Set the gauges from a dict as scheduler_stats makes it."""
         with self._lock:
-            for out in outputs:  # one per request, whatever its n; its first sample's reason and pace
-                self.finished_total["error" if out.error else out.outputs[0].finish_reason] += 1
-                self.prompt_tokens_total += len(out.prompt_token_ids)
-                if out.metrics.ttft is not None:
-                    self.ttft.observe(out.metrics.ttft)
-                t = tpot(out.metrics, len(out.outputs[0].token_ids))
-                if t is not None:
-                    self.tpot.observe(t)
+            self.gauges = dict(stats)
+            self.running.set(stats["num_requests_running"])
+            self.waiting.set(stats["num_requests_waiting"])
+            self.swapped.set(stats["num_requests_swapped"])
+            for key, g in self.blocks.items():
+                g.set(stats[key])
+            total = stats["kv_blocks_total"]
+            self.kv_usage.set(stats["kv_blocks_used"] / total if total else 0.0)
+            self.cache_config.clear()  # one series, with the newest labels
+            self.cache_config.labels(str(stats["block_size"]), str(total)).set(1)
 
-    def publish_gauges(self, sched) -> None:
-        bm = sched.block_manager
-        gauges = dict(num_requests_running=len(sched.running), num_requests_waiting=len(sched.waiting),
-                      num_requests_swapped=len(sched.swapped), kv_blocks_used=bm.num_used_blocks,
-                      kv_blocks_free=bm.num_free_blocks, kv_blocks_total=bm.num_blocks)
-        with self._lock:
-            self.gauges = gauges
-
+    # ------------------------------------------------------------------ read by GET /metrics
     def text(self) -> str:
+        """Every metric in Prometheus' text format (version 0.0.4)."""
         with self._lock:
-            window = sum(n for _, n in self._recent)
-            lines = []
-            for name, value in self.gauges.items():
-                lines += [f"# TYPE minicb_{name} gauge", f"minicb_{name} {value}"]
-            lines += ["# HELP minicb_generation_tokens_per_second output tokens/s over the last "
-                      f"{THROUGHPUT_WINDOW_S:.0f} s", "# TYPE minicb_generation_tokens_per_second gauge",
-                      f"minicb_generation_tokens_per_second {window / THROUGHPUT_WINDOW_S:.3f}"]
-            for name, value in (("engine_steps", self.num_steps), ("prompt_tokens", self.prompt_tokens_total),
-                                ("generation_tokens", self.generation_tokens_total),
-                                ("requests_rejected", self.rejected_total)):
-                lines += [f"# TYPE minicb_{name}_total counter", f"minicb_{name}_total {value}"]
-            lines.append("# TYPE minicb_requests_finished_total counter")
-            lines += [f'minicb_requests_finished_total{{finish_reason="{k}"}} {v}'
-                      for k, v in self.finished_total.items()]
-            for name, hist, about in (("time_to_first_token_seconds", self.ttft, "arrival to first token"),
-                                      ("time_per_output_token_seconds", self.tpot, "mean decode pace"),
-                                      ("batch_size", self.batch_size, "requests in one engine step")):
-                lines += [f"# HELP minicb_{name} {about}", f"# TYPE minicb_{name} histogram"]
-                lines += hist.lines(f"minicb_{name}")
-        return "\n".join(lines) + "\n"
+            return generate_latest(self.registry).decode()
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """One sample's value as /metrics shows it (e.g. value("minicb:engine_steps_total")), None if absent."""
+        with self._lock:
+            return self.registry.get_sample_value(name, {"model_name": self.model_name, **labels})
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.value("minicb:engine_steps_total"))
+
+    def __repr__(self):
+        s = self.gauges
+        return (f"ServerMetrics({self.model_name!r}, running={s.get('num_requests_running')}, "
+                f"waiting={s.get('num_requests_waiting')}, kv_blocks_used={s.get('kv_blocks_used')}/"
+                f"{s.get('kv_blocks_total')}, steps={self.num_steps})")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The samples of a /metrics text, read with prometheus_client's own parser, keyed by sample name
+    and labels, model_name left out: {"vllm:num_requests_running": 2.0,
+    'vllm:request_success_total{finished_reason="abort"}': 1.0, ...}."""
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return samples

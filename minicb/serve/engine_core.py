@@ -1,0 +1,223 @@
+"""The engine core in a process of its own, as vLLM runs it (`python -m minicb serve`'s default).
+
+    API-server process (HTTP, asyncio)                     engine-core process (its main thread)
+    InputProcessor: text -> token ids -> Requests  --add-->   Engine.add_samples
+    a client leaves / a stop string is found     --abort-->   Engine.abort_request / Scheduler
+    OutputProcessor: detokenize, stop strings,   <--step---   Engine.step(): each sample's new token
+      logprobs' text -> RequestOutputs -> SSE                 ids, finish reason, logprobs; KV stats
+
+The core only schedules and steps; it never decodes text. The API process keeps HTTP, JSON,
+tokenization, detokenization and the streams, and a mirror of every request (the same Request
+objects, grown from the core's messages), so its OutputProcessor works as it does in one process.
+Messages are pickled tuples on a multiprocessing Pipe. A core that dies is noticed: the next
+step() raises, the server fails the requests in flight and /health turns unhealthy.
+RemoteEngine offers the methods of Engine that the server's engine loop (engine_loop.py) calls, so
+the loop runs the same code whether the engine is in this process (tests, notebooks) or not.
+"""
+
+import multiprocessing as mp
+import time
+
+from ..config import EngineConfig
+from ..input_processor import InputProcessor
+from ..output_processor import OutputProcessor
+from ..outputs import RequestOutput
+from ..request import Request, RequestStatus
+from .metrics import scheduler_stats
+
+STEP_WAIT_S = 0.05  # step() waits this long for the core's next message, then lets the loop read its inbox
+
+
+class RemoteEngine:
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0):
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no threads, locks or torch state inherited
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=run_engine_core, args=(child, config), name="minicb-engine-core",
+                                   daemon=True)
+        self.process.start()
+        child.close()  # the core holds its end; if it dies, recv() here raises EOFError
+        if not self._conn.poll(startup_timeout_s):
+            self.process.kill()
+            raise RuntimeError(f"the engine core did not start within {startup_timeout_s:.0f} s")
+        kind, info = self._conn.recv()
+        if kind != "ready":
+            raise RuntimeError(f"the engine core failed to start: {info}")
+        self.config, self.tokenizer, self.model_name = info["config"], info["tokenizer"], info["model_name"]
+        self.input_processor = InputProcessor(self.config, self.tokenizer, info["vocab_size"], info["eos_token_ids"],
+                                              self.model_name)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats, self.last_step_rows, self.last_step_preempted = info["stats"], 0, 0
+        self.stepped = False  # did the last step() see a step of the core?
+        self._finished_here: list[Request] = []  # aborted here: their last output comes with the next step
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ Engine's methods
+    def tokenize(self, prompt) -> list[int]:
+        return self.input_processor.tokenize(prompt)
+
+    def add_request(self, prompt, params=None, priority: int = 0, request_id: str | None = None) -> str:
+        """Check and make the request here (ValueError, nothing sent, if it can never run), then send it."""
+        if request_id is None:
+            request_id, self._next_id = str(self._next_id), self._next_id + 1
+        samples = self.input_processor.make_request(prompt, params, priority, request_id, self.output_processor.owner)
+        self._send("add", samples)
+        self.output_processor.add_request(samples)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        samples = self.output_processor.samples.get(request_id)
+        if samples is None:
+            return None
+        now = time.perf_counter()
+        for sample in samples:
+            if not sample.is_finished:
+                sample.status, sample.metrics.finish_time = RequestStatus.FINISHED_ABORTED, now
+                self._finished_here.append(sample)
+        self._send("abort", request_id)
+        return self.output_processor.output(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests not finished here, or a message from the core still to read (its latest stats)."""
+        return bool(self.output_processor.samples) or self._conn.poll(0)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.output_processor.samples)
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs of the core's next step, or of nothing new if it sent nothing within STEP_WAIT_S
+        (requests aborted here still get their last output). Raises RuntimeError if the core died."""
+        touched, finished = [], self._finished_here
+        self._finished_here, self.stepped = [], False
+        if self._conn.poll(STEP_WAIT_S):
+            try:
+                kind, payload = self._conn.recv()
+            except (EOFError, OSError):
+                raise RuntimeError(f"the engine core process died (exit code {self.process.exitcode})") from None
+            if kind == "error":
+                raise RuntimeError(f"the engine core failed: {payload}")
+            if kind == "stats":  # an abort freed blocks while the core had nothing to step
+                self.stats = payload
+            else:
+                deltas, prompt_logprobs, self.stats, self.last_step_rows, self.last_step_preempted = payload
+                self.stepped = True
+                self.output_processor.add_prompt_logprobs(prompt_logprobs)
+                for delta in deltas:
+                    self._apply(delta, touched, finished)
+        elif not self.process.is_alive():
+            raise RuntimeError(f"the engine core process died (exit code {self.process.exitcode})")
+        return self.output_processor.make_outputs(touched, finished)
+
+    def _apply(self, delta, touched: list[Request], finished: list[Request]) -> None:
+        """Grow the mirror of one sample from the core's message, then detokenize here."""
+        sample_id, new_token_ids, status, stop_reason, error, logprobs, now = delta
+        sample = self.output_processor.sample(sample_id)
+        if sample is None or sample.is_finished:  # aborted or stopped here already
+            return
+        if status is not None:
+            sample.status, sample.stop_reason, sample.error = RequestStatus(status), stop_reason, error
+            sample.metrics.finish_time = now
+        if not new_token_ids:
+            finished.append(sample)
+            return
+        for token, entry in zip(new_token_ids, logprobs or [None] * len(new_token_ids)):
+            sample.token_ids.append(token)
+            sample.metrics.record_token(now)
+            sample.metrics.first_token_time = sample.metrics.first_token_time or now
+            stop_string = self.output_processor.add_token(sample, entry)
+            if stop_string is not None and sample.status != RequestStatus.FINISHED_STOPPED:
+                sample.status, sample.stop_reason, sample.metrics.finish_time = \
+                    RequestStatus.FINISHED_STOPPED, stop_string, now
+                self._send("stop", sample_id)  # the core frees its blocks
+        touched.append(sample)
+
+    def _send(self, *message) -> None:
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, OSError):  # the core is gone: step() reports it
+            pass
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._send("shutdown")
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+# ---------------------------------------------------------------------- the core process
+def run_engine_core(conn, config: EngineConfig) -> None:
+    """The core's main loop: take every waiting message, step while there is work, send each step's
+    deltas. Blocks on the pipe when idle. Exits when the API process closes its end or says so."""
+    from ..engine import Engine  # imported here: the API process never loads torch's model code for it
+
+    try:
+        engine = Engine(config)
+        engine.output_processor = OutputProcessor(None)  # the API process detokenizes
+        conn.send(("ready", {"config": engine.config, "tokenizer": engine.tokenizer, "model_name": engine.model_name,
+                             "vocab_size": engine.vocab_size, "eos_token_ids": engine.eos_token_ids,
+                             "stats": scheduler_stats(engine.scheduler)}))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    sent_prompt_logprobs: dict[str, int] = {}  # request id -> prompt logprob entries already sent
+    try:
+        while True:
+            while conn.poll(0) or not engine.has_unfinished_requests():  # idle: wait for a message
+                kind, *args = conn.recv()
+                if kind == "shutdown":
+                    return
+                _handle(engine, kind, args)
+                if kind != "add" and not engine.has_unfinished_requests():  # nothing to step: say what changed
+                    conn.send(("stats", scheduler_stats(engine.scheduler)))
+            outputs = engine.step()
+            rec = engine.trace.steps[-1] if engine.config.record_trace and engine.trace.steps else None
+            rows = len(rec.rows) if rec else 0
+            preempted = len(rec.preempted) + len(rec.swapped_out) if rec else 0
+            conn.send(("step", (_deltas(outputs), _new_prompt_logprobs(outputs, sent_prompt_logprobs),
+                                scheduler_stats(engine.scheduler), rows, preempted)))
+    except (EOFError, BrokenPipeError, OSError):  # the API process is gone
+        return
+    except Exception as e:  # a bug in the loop: tell the API process, which fails what is in flight
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _handle(engine, kind: str, args) -> None:
+    if kind == "add":
+        (samples,) = args
+        try:
+            engine.add_samples(samples)
+        except ValueError:  # the API process checked it with the same config: not expected
+            pass
+    elif kind == "abort":
+        engine.abort_request(args[0])
+    elif kind == "stop":  # one sample's text reached a stop string in the API process
+        engine.scheduler.abort_request(args[0], RequestStatus.FINISHED_STOPPED)
+
+
+def _deltas(outputs: list[RequestOutput]) -> list[tuple]:
+    """(sample id, new token ids, finish reason or None, stop reason, error, their logprob entries, time)."""
+    now, deltas = time.perf_counter(), []
+    for out in outputs:
+        for sample in out.outputs:
+            if sample.new_token_ids or sample.finish_reason:
+                sid = out.request_id if sample.index == 0 else f"{sample.index}_{out.request_id}"
+                entries = sample.logprobs[-len(sample.new_token_ids):] if sample.logprobs and sample.new_token_ids else None
+                deltas.append((sid, sample.new_token_ids, sample.finish_reason, sample.stop_reason,
+                               out.error if sample.finish_reason == "error" else None, entries, now))
+    return deltas
+
+
+def _new_prompt_logprobs(outputs: list[RequestOutput], sent: dict[str, int]) -> dict[str, list]:
+    found = {}
+    for out in outputs:
+        if out.prompt_logprobs is not None:
+            start = sent.get(out.request_id, 1)  # entry 0 is None on both sides
+            if len(out.prompt_logprobs) > start:
+                found[out.request_id] = out.prompt_logprobs[start:]
+                sent[out.request_id] = len(out.prompt_logprobs)
+        if out.finished:
+            sent.pop(out.request_id, None)
+    return found

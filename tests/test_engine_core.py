@@ -1,0 +1,208 @@
+"""The engine core in its own process (minicb/serve/engine_core.py), the server's default: the same
+answers as the engine in the server's process, byte for byte; the core's death noticed within seconds;
+and what the HTTP side keeps (detokenization, stop strings, aborts) working across the pipe."""
+
+import json
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+
+import httpx
+import pytest
+import torch
+
+from minicb import Engine, EngineConfig
+from minicb.loader import load_model, save_tiny_model
+from minicb.serve.app import build_app
+from minicb.serve.cli import ServerThread
+from minicb.serve.engine_core import RemoteEngine
+from minicb.serve.engine_loop import AsyncEngine
+from reference import add_word_tokenizer
+from serving import one_torch_thread, sse_events  # noqa: F401
+
+MAX_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return add_word_tokenizer(save_tiny_model(tmp_path_factory.mktemp("core"), seed=6, max_position_embeddings=MAX_LEN))
+
+
+def config(model_dir, **kw):
+    return EngineConfig(**{**dict(model=str(model_dir), dtype="float64", block_size=4, num_blocks=512,
+                                  max_num_seqs=8, max_model_len=MAX_LEN), **kw})
+
+
+@contextmanager
+def server(engine):
+    with ExitStack() as stack:
+        url = stack.enter_context(ServerThread(build_app(AsyncEngine(engine))))
+        yield stack.enter_context(httpx.Client(base_url=url, timeout=30))
+
+
+@pytest.fixture(scope="module")
+def both(model_dir):
+    """(client of a server with the engine in its process, client of one with an engine-core process)"""
+    remote = RemoteEngine(config(model_dir))
+    with server(Engine(config(model_dir))) as local_http, server(remote) as remote_http:
+        yield local_http, remote_http, remote
+
+
+BODIES = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w10 w11"}], "max_tokens": 12,
+                                      "temperature": 0}),
+    "n=2 seeded": ("/v1/completions", {"prompt": "w20 w21 w22", "n": 2, "max_tokens": 10, "temperature": 1.0,
+                                       "seed": 4, "ignore_eos": True}),
+    "logprobs and echo": ("/v1/completions", {"prompt": "w30 w31", "max_tokens": 6, "temperature": 0, "logprobs": 2,
+                                              "echo": True, "ignore_eos": True}),
+    "two prompts": ("/v1/completions", {"prompt": [[40, 41], [50]], "max_tokens": 7, "temperature": 0,
+                                        "ignore_eos": True}),
+    "penalties": ("/v1/completions", {"prompt": "w9 w9 w9", "max_tokens": 9, "temperature": 0,
+                                      "frequency_penalty": 1.0, "ignore_eos": True}),
+}
+
+
+def joined(events: list[dict]) -> dict[int, str]:
+    """{choice index: its streamed text, the deltas joined}."""
+    text: dict[int, str] = {}
+    for event in events:
+        for c in event["choices"]:
+            text[c["index"]] = text.get(c["index"], "") + (c.get("text") or (c.get("delta") or {}).get("content") or "")
+    return text
+
+
+def without_ids(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+@pytest.mark.parametrize("name", list(BODIES))
+def test_the_core_process_answers_as_the_engine_in_process(both, name):
+    local, remote, _ = both
+    path, body = BODIES[name]
+    a, b = local.post(path, json=body), remote.post(path, json=body)
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert without_ids(a.json()) == without_ids(b.json())
+    with local.stream("POST", path, json={**body, "stream": True}) as r:
+        a_events = [without_ids(e) for e in sse_events(r)]
+    with remote.stream("POST", path, json={**body, "stream": True}) as r:
+        b_events = [without_ids(e) for e in sse_events(r)]
+    assert joined(a_events) == joined(b_events)  # chunks may group steps differently; the text may not differ
+
+
+def test_a_stop_string_found_in_the_api_process_stops_the_core(both, model_dir):
+    local, remote, engine = both
+    free = local.post("/v1/completions", json={"prompt": "w60", "max_tokens": 12, "temperature": 0,
+                                               "ignore_eos": True}).json()["choices"][0]["text"].split()
+    stop = free[3]
+    body = {"prompt": "w60", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    a, b = local.post("/v1/completions", json=body).json(), remote.post("/v1/completions", json=body).json()
+    assert b["choices"][0]["text"] == a["choices"][0]["text"] and b["choices"][0]["finish_reason"] == "stop"
+    wait_until(lambda: engine.stats["kv_blocks_used"] == 0 and engine.stats["num_requests_running"] == 0)
+
+
+def test_a_client_that_leaves_frees_the_cores_blocks(both):
+    _, remote, engine = both
+    body = {"prompt": "w70 w71", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with remote.stream("POST", "/v1/completions", json=body) as r:
+        for _ in zip(range(5), r.iter_lines()):
+            pass  # read a few events, then hang up
+    wait_until(lambda: engine.stats["kv_blocks_used"] == 0 and engine.stats["num_requests_running"] == 0)
+    assert not engine.has_unfinished_requests()
+
+
+def wait_until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_the_cores_death_fails_the_streams_and_turns_health_unhealthy(model_dir):
+    engine = RemoteEngine(config(model_dir))
+    with server(engine) as http:
+        assert http.get("/health").status_code == 200
+        events, done = [], threading.Event()
+
+        def stream():
+            body = {"prompt": "w80", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+            done.set()
+
+        threading.Thread(target=stream, daemon=True).start()
+        wait_until(lambda: len(events) >= 3 or engine.has_unfinished_requests())
+        time.sleep(0.2)
+        engine.process.kill()  # the core dies mid-stream
+        assert done.wait(5), "the stream did not end within 5 s of the core's death"
+        payloads = [e[6:] for e in events]
+        assert payloads[-1] == "[DONE]" and "error" in json.loads(payloads[-2])
+        assert "engine core process died" in json.loads(payloads[-2])["error"]["message"]
+        wait_until(lambda: http.get("/health").status_code == 503, timeout_s=5)
+        r = http.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2})
+        assert r.status_code == 503
+
+
+def test_a_model_that_cannot_load_fails_the_start_with_its_reason(tmp_path):
+    with pytest.raises(RuntimeError, match="the engine core failed to start"):
+        RemoteEngine(EngineConfig(model=str(tmp_path / "nowhere"), dtype="float64"))
+
+
+def test_a_priority_request_over_http_preempts_a_lower_one(model_dir):
+    # scheduling_policy="priority" over HTTP (vLLM's per-request "priority", the lowest served first):
+    # one slot, a long stream at priority 5, then a request at priority 0 takes the slot at once.
+    loaded = load_model(model_dir, torch.float64)
+    engine = Engine(config(model_dir, max_num_seqs=1, scheduling_policy="priority"), loaded)
+    with server(engine) as http:
+        finished = {}
+
+        def low():
+            body = {"prompt": "w90", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "priority": 5}
+            http.post("/v1/completions", json=body)
+            finished["low"] = time.monotonic()
+
+        t = threading.Thread(target=low, daemon=True)
+        t.start()
+        wait_until(lambda: any(rec.rows for rec in engine.trace.steps))
+        r = http.post("/v1/completions", json={"prompt": "w91", "max_tokens": 5, "temperature": 0, "priority": 0,
+                                               "ignore_eos": True})
+        finished["high"] = time.monotonic()
+        t.join(30)
+    assert r.status_code == 200 and finished["high"] < finished["low"]
+    preempted = [rid for rec in engine.trace.steps for rid in rec.preempted + rec.swapped_out]
+    assert preempted and preempted[0].startswith("0-")  # the low-priority request (stream 0) made room
+
+
+def test_python_m_minicb_serve_runs_the_core_in_its_own_process(model_dir):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "minicb", "serve", "--model", str(model_dir), "--dtype", "float64", "--port", str(port),
+           "--num-blocks", "256", "--block-size", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _healthy(url), timeout_s=120)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "w10 w11", "max_tokens": 4, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert children, "no engine-core child process"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert "engine core in its own process" in out
+    for pid in children:  # the core went with the server
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
