@@ -437,6 +437,85 @@ def test_a_prompt_that_fills_its_blocks_forks_without_copies():
         shared=0, private=48, copied=0, **{"in place": 0}, decode=4)
 
 
+def engine_core_protocol() -> tuple[dict[str, str], set[str]]:
+    """From minicb/serve/engine_core.py's own code: {kind: the process that sends it} (the API side
+    through RemoteEngine._send(kind, ...), the core through conn.send((kind, ...))), and the kinds the
+    core's loop handles (`kind == "..."` in run_engine_core and _handle)."""
+    path = Path(viz.__file__).parents[1] / "serve" / "engine_core.py"
+    tree = ast.parse(path.read_text())
+    sent, handled = {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            first = node.args[0]
+            if node.func.attr == "_send" and isinstance(first, ast.Constant):
+                sent[first.value] = "api"
+            elif (node.func.attr == "send" and getattr(node.func.value, "id", None) == "conn"
+                  and isinstance(first, ast.Tuple) and isinstance(first.elts[0], ast.Constant)):
+                sent[first.elts[0].value] = "core"
+    for fn in tree.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name in ("run_engine_core", "_handle"):
+            handled |= {c.comparators[0].value for c in ast.walk(fn) if isinstance(c, ast.Compare)
+                        and getattr(c.left, "id", None) == "kind" and isinstance(c.ops[0], ast.Eq)}
+    return sent, handled
+
+
+def test_engine_core_figure_draws_the_real_protocol_between_the_right_processes():
+    from minicb.viz import processes
+
+    fig = figures.FIGURES["nb10_engine_core"]()
+    (ax,) = fig.axes
+    boxes = {p.get_gid(): p for p in ax.patches if p.get_gid()}
+
+    def inside(box, x, y=None):  # on the edge counts
+        return (box.get_x() - 1e-9 <= x <= box.get_x() + box.get_width() + 1e-9
+                and (y is None or box.get_y() <= y <= box.get_y() + box.get_height()))
+
+    def side_of(x, y=None):
+        """The process whose box holds x (and y, when given), or None."""
+        found = [side for side in ("api", "core") if inside(boxes[f"process:{side}"], x, y)]
+        return found[0] if len(found) == 1 else None
+
+    api, core = boxes["process:api"], boxes["process:core"]
+    assert api.get_x() + api.get_width() < core.get_x()  # two boxes, side by side, the pipe between them
+    # Every message: an arrow from its sender's box to the other box, as the code sends it.
+    arrows = {t.get_gid().split(":", 1)[1]: t for t in ax.texts if (t.get_gid() or "").startswith("message:")}
+    drawn = {}
+    for kind, arrow in arrows.items():
+        (tail_x, tail_y), (head_x, head_y) = arrow.xyann, arrow.xy
+        sender, receiver = side_of(tail_x, tail_y), side_of(head_x, head_y)
+        assert sender and receiver and sender != receiver and tail_y == head_y, kind
+        drawn[kind] = sender
+    sent, handled = engine_core_protocol()
+    assert drawn == sent == {kind: sender for kind, sender, _ in processes.MESSAGES}
+    assert sorted(drawn) == sorted(["add", "abort", "stop", "shutdown", "ready", "step", "stats", "error"])
+    assert handled == {k for k, s in sent.items() if s == "api"}  # the core handles every kind sent to it
+    assert len({a.xy[1] for a in arrows.values()}) == len(arrows)  # no two arrows drawn over each other
+    labels = {t.get_gid(): t for t in ax.texts if t.get_gid()}
+    for kind, arrow in arrows.items():  # its name sits on its arrow, in the pipe
+        x, y = labels[f"label:{kind}"].get_position()
+        assert side_of(x) is None and 0 <= y - arrow.xy[1] < 0.3 and labels[f"label:{kind}"].get_text() == kind
+    # Every part inside its own process's box and its own part box, top to bottom in the listed order.
+    for side, parts in (("api", processes.API_SIDE), ("core", processes.CORE_SIDE)):
+        ys = []
+        for name, _ in parts:
+            x, y = labels[f"part:{side}:{name}"].get_position()
+            assert side_of(x, y) == side and labels[f"part:{side}:{name}"].get_text() == name
+            assert inside(boxes[f"box:{side}:{name}"], x, y)
+            ys.append(y)
+        assert ys == sorted(ys, reverse=True)
+    # The parts named as code exist in minicb (Engine.add_samples -> `def add_samples`, Scheduler -> `class Scheduler`).
+    source = "\n".join(p.read_text() for p in Path(viz.__file__).parents[1].rglob("*.py"))
+    for name, _ in processes.API_SIDE + processes.CORE_SIDE:
+        for word in name.replace("+", " ").split():
+            last = word.split(".")[-1]
+            if (word[0].isupper() or "_" in word) and word != "FastAPI":  # FastAPI: the web framework
+                assert f"class {last}" in source or f"def {last}(" in source, word
+    # With pids, each box names its process.
+    titled = figures.FIGURES["nb10_engine_core"](api_pid=11, core_pid=22).axes[0].texts
+    titles = {t.get_gid(): t.get_text() for t in titled if (t.get_gid() or "").startswith("title:")}
+    assert titles == {"title:api": "API-server process (pid 11)", "title:core": "engine-core process (pid 22)"}
+
+
 def test_every_registered_figure_draws(tmp_path):
     import argparse
 

@@ -12,6 +12,8 @@ Time runs left to right in steps everywhere, and a request keeps its colour in e
             latency_distributions: CDFs of TTFT / TPOT; curves / bars: back-of-envelope models
   sampling  fork_map: the blocks n samples of one prompt share, copy on write and open, beside n
             separate requests; block_kinds / count_kinds: the same from a trace, as data
+  processes engine_core_processes: the API-server process and the engine-core process, and the
+            messages on the pipe between them (no trace: a diagram of minicb/serve/engine_core.py)
   widgets   step_through: a slider over the steps (ipywidgets), or the static figure headless
   figures   FIGURES, the registry behind `python -m minicb figures` (imported on its own, not here;
             notebook 02's figures live in figures_blocks)
@@ -24,6 +26,7 @@ The package imports no torch: it draws traces from the simulator as well as from
 from ..trace import Trace
 from .blocks import EVENTS, BlockView, block_grid, block_views, memory_map
 from .charts import bars, curves, latency_distributions, request_timeline
+from .processes import engine_core_processes
 from .sampling import KINDS, block_kinds, count_kinds, fork_map
 from .slots import compare_slot_occupancy, slot_occupancy, utilization_curves
 from .style import CACHED, request_colors
@@ -32,4 +35,4 @@ from .widgets import step_through
 __all__ = ["Trace", "CACHED", "EVENTS", "BlockView", "block_views", "memory_map", "block_grid",
            "slot_occupancy", "compare_slot_occupancy", "utilization_curves", "request_timeline",
            "latency_distributions", "curves", "bars", "request_colors", "step_through", "KINDS", "block_kinds",
-           "count_kinds", "fork_map"]
+           "count_kinds", "fork_map", "engine_core_processes"]

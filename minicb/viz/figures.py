@@ -2,8 +2,9 @@
 
 Each entry of FIGURES is a name and a function returning a matplotlib Figure, so any figure can be
 rebuilt alone (`python -m minicb figures --only NAME`) and a notebook can draw the very same one
-(`FIGURES["nb00_static_vs_continuous"]()`). All of them come from the simulator or from arithmetic
-on published model configs: no model is loaded, and the whole set takes a few seconds.
+(`FIGURES["nb00_static_vs_continuous"]()`). All of them come from the simulator, from arithmetic
+on published model configs, or (notebook 10's diagram, viz/processes.py) from data written out by hand:
+no model is loaded, and the whole set takes a few seconds.
 Notebook 02's figures are made in figures_blocks.py. The demo's figures come from `python -m minicb demo`,
 the benchmark's from `python -m minicb bench`.
 """
@@ -17,6 +18,7 @@ from .. import viz
 from ..config import EngineConfig, cdiv
 from ..sim import SimRequest, simulate
 from .figures_blocks import parallel_sampling, prefix_sharing_grid, prefix_sharing_map
+from .processes import engine_core_processes
 
 BURNERS = tuple(zip("ABCDEF", (4, 4, 10, 10, 4, 4)))  # keep-the-burners-busy.txt, section 3
 ABCD = (("A", 5), ("B", 200), ("C", 3), ("D", 150), ("E", 4), ("F", 6))  # iteration-level-scheduling.txt
@@ -261,6 +263,7 @@ FIGURES = {
     "nb04_swap_map": swap_map,
     "nb04_thrashing": thrashing,
     "nb04_priority_timeline": priority_timeline,
+    "nb10_engine_core": engine_core_processes,
 }
 
 
