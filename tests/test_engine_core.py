@@ -139,7 +139,9 @@ def test_the_cores_death_fails_the_streams_and_turns_health_unhealthy(model_dir)
         assert "engine core process died" in json.loads(payloads[-2])["error"]["message"]
         wait_until(lambda: http.get("/health").status_code == 503, timeout_s=5)
         r = http.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2})
-        assert r.status_code == 503
+        assert r.status_code == 503 and "engine core process died" in r.json()["error"]["message"]
+        assert "exit code -9" in json.loads(payloads[-2])["error"]["message"]  # reaped: its real exit code
+        assert not engine.has_unfinished_requests()  # the engine loop has nothing to spin on
 
 
 def test_a_model_that_cannot_load_fails_the_start_with_its_reason(tmp_path):
@@ -192,13 +194,22 @@ def test_python_m_minicb_serve_runs_the_core_in_its_own_process(model_dir):
                                                       "ignore_eos": True}, timeout=30)
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert children, "no engine-core child process"
+        cores = [pid for pid in children if "spawn_main" in _cmdline(pid)]  # not multiprocessing's resource tracker
+        assert cores, "no engine-core process among the server's children"
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
     assert "engine core in its own process" in out
-    for pid in children:  # the core went with the server
-        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    wait_until(lambda: all(not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+                           for pid in cores), timeout_s=10)  # the core went with the server
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def _healthy(url: str) -> bool:

@@ -48,6 +48,7 @@ class RemoteEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats, self.last_step_rows, self.last_step_preempted = info["stats"], 0, 0
         self.stepped = False  # did the last step() see a step of the core?
+        self.dead = False  # set once step() has reported the core's death
         self._finished_here: list[Request] = []  # aborted here: their last output comes with the next step
         self._next_id = 0
 
@@ -77,7 +78,10 @@ class RemoteEngine:
         return self.output_processor.output(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished here, or a message from the core still to read (its latest stats)."""
+        """Requests not finished here, or a message from the core still to read (its latest stats).
+        Once the core is dead there is nothing to step: the loop must not spin on a closed pipe."""
+        if self.dead:
+            return False
         return bool(self.output_processor.samples) or self._conn.poll(0)
 
     @property
@@ -85,7 +89,12 @@ class RemoteEngine:
         return len(self.output_processor.samples)
 
     def is_alive(self) -> bool:
-        return self.process.is_alive()
+        return not self.dead and self.process.is_alive()
+
+    def _died(self) -> RuntimeError:
+        self.dead = True
+        self.process.join(1.0)  # reap it, so that its exit code is known
+        return RuntimeError(f"the engine core process died (exit code {self.process.exitcode})")
 
     def step(self) -> list[RequestOutput]:
         """The outputs of the core's next step, or of nothing new if it sent nothing within STEP_WAIT_S
@@ -96,7 +105,7 @@ class RemoteEngine:
             try:
                 kind, payload = self._conn.recv()
             except (EOFError, OSError):
-                raise RuntimeError(f"the engine core process died (exit code {self.process.exitcode})") from None
+                raise self._died() from None
             if kind == "error":
                 raise RuntimeError(f"the engine core failed: {payload}")
             if kind == "stats":  # an abort freed blocks while the core had nothing to step
@@ -108,7 +117,7 @@ class RemoteEngine:
                 for delta in deltas:
                     self._apply(delta, touched, finished)
         elif not self.process.is_alive():
-            raise RuntimeError(f"the engine core process died (exit code {self.process.exitcode})")
+            raise self._died()
         return self.output_processor.make_outputs(touched, finished)
 
     def _apply(self, delta, touched: list[Request], finished: list[Request]) -> None:

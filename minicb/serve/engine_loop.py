@@ -131,7 +131,8 @@ class AsyncEngine:
         nothing. Raises ValueError (the engine refuses one, e.g. too long for max_model_len) or
         QueueFullError; in both cases nothing was queued."""
         if not self.is_running:
-            raise RuntimeError("the engine loop is not running")
+            dead_core = isinstance(self.engine, RemoteEngine) and not self.engine.is_alive()
+            raise RuntimeError("the engine core process died" if dead_core else "the engine loop is not running")
         stream = RequestStream(self, str(next(self._ids)), len(prompts))
         accepted = self._loop.create_future()
         self._inbox.put(("add", stream, prompts, params, priority, accepted))
