@@ -43,7 +43,7 @@ def server(engine):
 @pytest.fixture(scope="module")
 def both(model_dir):
     """(client of a server with the engine in its process, client of one with an engine-core process)"""
-    remote = RemoteEngine(config(model_dir))
+    remote = RemoteEngine(config(model_dir), core_threads=1)  # a core for the API process, on a small CI machine
     with server(Engine(config(model_dir))) as local_http, server(remote) as remote_http:
         yield local_http, remote_http, remote
 
@@ -115,6 +115,11 @@ def wait_until(condition, timeout_s=10.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def test_the_core_runs_with_the_threads_it_was_given(both):
+    *_, remote = both
+    assert remote.core_threads == 1  # torch.get_num_threads() in the core process, reported at start
 
 
 def test_the_cores_death_fails_the_streams_and_turns_health_unhealthy(model_dir):

@@ -84,12 +84,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trace-steps", type=int, default=1000, help="engine steps kept in the trace")
     parser.add_argument("--engine-in-process", action="store_true",
                         help="run the engine in the server's process (a thread) instead of an engine-core process")
+    parser.add_argument("--core-threads", type=int, default=None,
+                        help="torch threads of the engine-core process (default: one per CPU core); on a small "
+                             "CPU, one fewer leaves a core to the API process (HTTP, detokenization)")
     parser.add_argument("--request-log", default=None, metavar="FILE",
                         help="append one JSON line per finished request: the server's own times (received, "
                              "engine arrival, first token, finish) and token counts, to set beside a client's")
 
 
 def main(args) -> None:
+    if args.engine_in_process and args.core_threads is not None:
+        raise SystemExit("--core-threads sets the threads of the engine-core process; with --engine-in-process "
+                         "there is none (torch uses one thread per core in the server's process)")
     if args.engine_in_process:
         from ..engine import Engine
 
@@ -97,13 +103,17 @@ def main(args) -> None:
     else:  # the default: the core schedules and steps in its own process, this one speaks HTTP
         from .engine_core import RemoteEngine
 
-        engine = RemoteEngine(engine_config(args))
+        if args.core_threads is not None and args.core_threads < 1:
+            raise SystemExit(f"--core-threads must be at least 1, got {args.core_threads}")
+        engine = RemoteEngine(engine_config(args), core_threads=args.core_threads)
     app = build_app(AsyncEngine(engine, args.max_waiting, args.trace_steps, args.request_log,
                                 args.served_model_name), args.served_model_name,
                     args.max_request_bytes)
     c = engine.config
+    where = "in this process" if args.engine_in_process else \
+        f"in its own process, {engine.core_threads} torch threads"
     print(f"minicb: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1 "
           f"({c.num_blocks} KV blocks of {c.block_size}, {c.max_num_seqs} slots, {c.scheduling_policy}, "
-          f"max_waiting={args.max_waiting}, engine core {'in this process' if args.engine_in_process else 'in its own process'})",
+          f"max_waiting={args.max_waiting}, engine core {where})",
           flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)

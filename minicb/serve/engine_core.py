@@ -29,10 +29,11 @@ STEP_WAIT_S = 0.05  # step() waits this long for the core's next message, then l
 
 
 class RemoteEngine:
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0):
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0, core_threads: int | None = None):
+        """`core_threads`: torch's intra-op threads in the core (default: torch's own, one per core)."""
         ctx = mp.get_context("spawn")  # a fresh interpreter: no threads, locks or torch state inherited
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=run_engine_core, args=(child, config), name="minicb-engine-core",
+        self.process = ctx.Process(target=run_engine_core, args=(child, config, core_threads), name="minicb-engine-core",
                                    daemon=True)
         self.process.start()
         child.close()  # the core holds its end; if it dies, recv() here raises EOFError
@@ -43,6 +44,7 @@ class RemoteEngine:
         if kind != "ready":
             raise RuntimeError(f"the engine core failed to start: {info}")
         self.config, self.tokenizer, self.model_name = info["config"], info["tokenizer"], info["model_name"]
+        self.core_threads = info["threads"]  # torch's intra-op threads in the core process
         self.input_processor = InputProcessor(self.config, self.tokenizer, info["vocab_size"], info["eos_token_ids"],
                                               self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -157,17 +159,22 @@ class RemoteEngine:
 
 
 # ---------------------------------------------------------------------- the core process
-def run_engine_core(conn, config: EngineConfig) -> None:
+def run_engine_core(conn, config: EngineConfig, threads: int | None = None) -> None:
     """The core's main loop: take every waiting message, step while there is work, send each step's
-    deltas. Blocks on the pipe when idle. Exits when the API process closes its end or says so."""
+    deltas. Blocks on the pipe when idle. Exits when the API process closes its end or says so.
+    `threads` sets torch's intra-op threads in this process only (the API process needs a core too)."""
+    import torch
+
     from ..engine import Engine  # imported here: the API process never loads torch's model code for it
 
     try:
+        if threads is not None:
+            torch.set_num_threads(threads)
         engine = Engine(config)
         engine.output_processor = OutputProcessor(None)  # the API process detokenizes
         conn.send(("ready", {"config": engine.config, "tokenizer": engine.tokenizer, "model_name": engine.model_name,
                              "vocab_size": engine.vocab_size, "eos_token_ids": engine.eos_token_ids,
-                             "stats": scheduler_stats(engine.scheduler)}))
+                             "stats": scheduler_stats(engine.scheduler), "threads": torch.get_num_threads()}))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
