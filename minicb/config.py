@@ -50,7 +50,9 @@ class EngineConfig:
 
     # --- execution ---
     use_cuda_graph: bool | str = "auto"  # decode through graphs: True, False, or "auto" (CUDA only)
-    prepack_cpu_weights: bool = True  # float32 on CPU: pack Linear weights for oneDNN once (2-3x faster)
+    # float32 on CPU: "auto" times oneDNN's packed weights against torch.matmul on each linear shape once
+    # per machine and keeps the faster (which one wins differs: AVX-512 vs AVX2); True packs all, False none
+    prepack_cpu_weights: bool | str = "auto"
     seed: int = 0  # generator for sampled requests that carry no seed of their own
     record_trace: bool = True  # keep one StepRecord per step (notebooks); servers may turn it off
 
@@ -81,6 +83,8 @@ class EngineConfig:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {allowed}")
         if not (self.use_cuda_graph is True or self.use_cuda_graph is False or self.use_cuda_graph == "auto"):
             raise ValueError(f"use_cuda_graph must be True, False or 'auto', got {self.use_cuda_graph!r}")
+        if self.prepack_cpu_weights not in (True, False, "auto"):
+            raise ValueError(f"prepack_cpu_weights must be True, False or 'auto', got {self.prepack_cpu_weights!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 

@@ -14,8 +14,8 @@ import torch
 
 from .config import EngineConfig
 from .kv_cache import KVCache, kv_bytes_per_token
-from .loader import LoadedModel, load_model
-from .cpu_kernels import prepack_for_cpu
+from .loader import LoadedModel, cache_dir, load_model
+from .cpu_kernels import prepare_cpu_linears
 from .model import CausalLM
 from .model_runner import ModelRunner, ModelRunnerOutput
 from .input_processor import InputProcessor
@@ -54,8 +54,10 @@ class Engine:
         self.vocab_size = loaded.vocab_size
         self.model_name = loaded.name
         model = CausalLM.from_hf(loaded.hf_config, loaded.state_dict, dtype, config.device)
+        self.cpu_kernels = {}  # linear shape -> the kernel it runs on (float32 on CPU), see cpu_kernels.py
         if config.prepack_cpu_weights and dtype == torch.float32 and torch.device(config.device).type == "cpu":
-            model = prepack_for_cpu(model)
+            model, self.cpu_kernels = prepare_cpu_linears(model, config.prepack_cpu_weights,
+                                                            cache_dir() / "cpu_kernels.json")
         self.kv_cache = KVCache(loaded.hf_config, config.num_blocks, config.block_size, dtype, config.device,
                                 config.num_swap_blocks)
         self.scheduler = Scheduler(config)

@@ -80,13 +80,17 @@ def test_gemm_peaks_measure_every_cpu_kernel():
     assert cpu_model()
 
 
+FLOOR = dict(floor_s=9.1, binding="compute", flops={"total": 1.74e12}, gemm_peak_flops=190e9, compute_s=9.1,
+             longest_output=256, weight_bytes=538e6, bandwidth=22.4e9, sequential_s=6.1)
+
+
 def test_w1_table_names_both_peaks(capsys):
     from minicb.bench.w1 import print_w1
 
     row = dict(name="minicb continuous (64 slots)", throughput=300.0, wall_s=13.0, ttft_p50=1.0, ttft_p99=1.5,
                tpot_p50=0.1, tpot_p99=0.2, peak_mem_mib=5, slot_utilization=0.24, achieved_gflops=80.0,
-               roofline_fraction=0.2)
-    print_w1(dict(machine="2 cores of a CPU", num_requests=64, prompt_tokens=3103, output_tokens=3920,
+               roofline_fraction=0.2, floor_fraction=9.1 / 13.0)
+    print_w1(dict(machine="2 cores of a CPU", num_requests=64, prompt_tokens=3103, output_tokens=3920, floor=FLOOR,
                   gemm_peak_gflops=400.0, gemm_peaks={"torch.matmul": 190.0, "oneDNN packed": 400.0},
                   flops_per_token=269e6, results=[row],
                   decode_step=dict(batch=64, context=100, step_ms=140.0, gflops=120.0, gemm_peak_gflops=400.0)))
@@ -94,6 +98,8 @@ def test_w1_table_names_both_peaks(capsys):
     assert "GEMM peak 400 GFLOP/s (float32, the best of: torch.matmul 190, oneDNN packed 400)" in out
     assert "= 30% of the GEMM peak (63% of torch.matmul)" in out
     assert "24%" in out  # slot utilization
+    assert out.splitlines()[3].endswith("70%")  # 'of floor': floor / wall = 9.1 / 13.0
+    assert "the machine's floor for W1: 9.1 s (compute binds): compute 1.74 TFLOP / 190 GFLOP/s = 9.1 s" in out
 
 
 def test_w1_table_separates_the_schedulers_gain_from_the_batch_size(capsys):
@@ -102,12 +108,12 @@ def test_w1_table_separates_the_schedulers_gain_from_the_batch_size(capsys):
 
     def row(key, name, tok_s):
         return dict(key=key, name=name, throughput=tok_s, wall_s=10.0, ttft_p50=1.0, ttft_p99=1.5, tpot_p50=0.1,
-                    tpot_p99=0.2, peak_mem_mib=5, achieved_gflops=1.0, roofline_fraction=0.1)
+                    tpot_p99=0.2, peak_mem_mib=5, achieved_gflops=1.0, roofline_fraction=0.1, floor_fraction=0.5)
 
     rows = [row("minicb_static", "minicb static (16 slots)", 100.0),
             row("minicb_continuous_16", "minicb continuous (16 slots)", 250.0),
             row("minicb_continuous", "minicb continuous (64 slots)", 300.0)]
-    print_w1(dict(machine="m", num_requests=64, prompt_tokens=1, output_tokens=1, gemm_peak_gflops=1.0,
+    print_w1(dict(machine="m", num_requests=64, prompt_tokens=1, output_tokens=1, gemm_peak_gflops=1.0, floor=FLOOR,
                   gemm_peaks={"torch.matmul": 1.0}, flops_per_token=1.0, results=rows,
                   decode_step=dict(batch=64, context=100, step_ms=1.0, gflops=1.0, gemm_peak_gflops=1.0)))
     out = capsys.readouterr().out

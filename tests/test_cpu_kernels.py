@@ -1,6 +1,9 @@
 """oneDNN pre-packing (minicb/cpu_kernels.py): same results, an inspectable weight, no duplicated
 tied embedding, and a model that still runs when the private operators are missing."""
 
+import json
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -57,3 +60,57 @@ def test_gemm_peaks_time_real_work():
     for name in small:
         assert 0 < small[name] < float("inf") and 0 < large[name] < float("inf")
         assert large[name] < 1e5, "more than 100 TFLOP/s on a CPU: the timing is wrong"
+
+
+# ---------------------------------------------------------------------- the kernel chosen per machine
+def slowed(which: str, real=cpu_kernels.kernel_fn):
+    """kernel_fn with `which` made 2 ms slower per call: the choice must then take the other one."""
+    def fn(kernel, weight):
+        f = real(kernel, weight)
+        if kernel != which:
+            return f
+        return lambda x: (time.sleep(0.002), f(x))[1]
+    return fn
+
+
+@needs_onednn
+@pytest.mark.parametrize("slow, fast", [("onednn", "matmul"), ("matmul", "onednn")])
+def test_the_choice_takes_the_faster_kernel(monkeypatch, slow, fast):
+    monkeypatch.setattr(cpu_kernels, "TIME_PER_CASE_S", 0.005)
+    monkeypatch.setattr(cpu_kernels, "kernel_fn", slowed(slow))
+    choice = cpu_kernels.choose_kernels([(32, 64), (64, 16)])
+    assert [c["kernel"] for c in choice.values()] == [fast, fast]
+    assert all(c["seconds"][slow] > c["seconds"][fast] + 3 * 0.002 for c in choice.values())  # 3 batch sizes
+
+
+@needs_onednn
+def test_the_chosen_kernels_are_used_and_a_tied_head_is_packed_as_a_copy(tied):
+    model = build(tied)
+    attn = model.layers[0].self_attn
+    qkv, o = f"{attn.qkv_proj.in_features}x{attn.qkv_proj.out_features}", f"{attn.o_proj.in_features}x{attn.o_proj.out_features}"
+    head = f"{model.lm_head.in_features}x{model.lm_head.out_features}"
+    assert o not in (qkv, head)  # (the tiny model's qkv and LM head may share a shape: both packed)
+    x = torch.randn(3, model.config.hidden_size)
+    before = model.lm_head(x)
+    cpu_kernels.use_kernels(model, {qkv: {"kernel": "onednn"}, o: {"kernel": "matmul"}, head: {"kernel": "onednn"}})
+    assert type(model.layers[1].self_attn.qkv_proj) is cpu_kernels.PackedLinear
+    assert type(model.layers[1].self_attn.o_proj) is nn.Linear
+    assert type(model.lm_head) is cpu_kernels.PackedLinear  # the embedding keeps its own table
+    assert type(model.embed_tokens) is nn.Embedding and model.embed_tokens.weight.shape[0] == model.config.vocab_size
+    assert torch.allclose(model.lm_head(x), before, atol=1e-5)
+
+
+def test_the_choice_is_measured_once_per_machine_and_cached(tied, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cpu_kernels, "TIME_PER_CASE_S", 0.001)
+    cache, timed = tmp_path / "kernels.json", []
+    timer = lambda i, o, k: timed.append((i, o, k)) or {"matmul": 1.0, "onednn": 2.0}[k]
+    model = build(tied)
+    first = cpu_kernels.cached_choice(model, str(cache), timer)
+    assert set(first) == {f"{i}x{o}" for i, o in cpu_kernels.linear_shapes(model)}
+    assert all(c["kernel"] == "matmul" for c in first.values()) and timed
+    assert "once on this machine" in capsys.readouterr().out
+    timed.clear()
+    assert cpu_kernels.cached_choice(build(tied), str(cache), timer) == first and not timed  # read back, not timed
+    assert cpu_kernels.machine_key() in json.loads(cache.read_text())
+    cache.write_text("{ not json")  # a damaged cache is measured again
+    assert cpu_kernels.cached_choice(build(tied), str(cache), timer) == first and timed

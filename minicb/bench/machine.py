@@ -6,17 +6,10 @@ import threading
 
 
 def cpu_model() -> str:
-    """The CPU's name and widest vector unit, from /proc/cpuinfo (Linux), for naming the machine."""
-    try:
-        info = open("/proc/cpuinfo").read()
-    except OSError:
-        import platform
+    """The CPU's name and vector units (AVX2 / AVX-512 / AMX), from /proc/cpuinfo (Linux)."""
+    from ..cpu_kernels import cpu_name
 
-        return platform.processor() or "an unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "a CPU")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{name} ({vector})"
+    return cpu_name()
 
 
 class PeakRSS:

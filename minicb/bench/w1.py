@@ -22,7 +22,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from ..cpu_kernels import gemm_peaks
+from ..cpu_kernels import describe, gemm_peaks
+from .floor import memory_bandwidth, workload_floor
 from ..llm import chat_token_ids
 from ..metrics import mean_gap, percentile, tpot
 from ..sampling_params import SamplingParams
@@ -143,7 +144,8 @@ def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
     trace = llm.engine.trace
     slots = llm.engine.config.max_num_seqs
     return _result(f"minicb {batching} ({slots} slots)", wall, outs, ttfts, tpots, mem.mib,
-                   slot_utilization=trace.slot_utilization(), steps=len(trace), trace=trace)
+                   slot_utilization=trace.slot_utilization(), steps=len(trace), trace=trace,
+                   cpu_kernels=llm.engine.cpu_kernels)
 
 
 def decode_step_roofline(loaded, batch: int = 64, context: int = 100, steps: int = 10) -> dict:
@@ -211,14 +213,18 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
                 time.sleep(cooldown_s)
             results.append(runs[name]() | {"key": name})
     runs.clear()  # drops transformers' model before the peaks are measured
+    cpu_kernels = next((r["cpu_kernels"] for r in results if r.get("cpu_kernels")), {})
     time.sleep(cooldown_s)
     peaks = gemm_peaks()
     peak = max(peaks.values())
+    floor = workload_floor(loaded, [len(p) for p in prompts], outs, peak * 1e9, memory_bandwidth())
     flops_per_token = 2 * loaded.num_params
     for r in results:
         r["achieved_gflops"] = r["throughput"] * flops_per_token / 1e9
         r["roofline_fraction"] = r["achieved_gflops"] / peak
-    return dict(machine=f"{os.cpu_count()} cores of {cpu_model()}, torch {torch.__version__}, float32",
+        r["floor_fraction"] = floor["floor_s"] / r["wall_s"]
+    return dict(machine=f"{os.cpu_count()} cores of {cpu_model()}, torch {torch.__version__}, float32", floor=floor,
+                cpu_kernels=cpu_kernels,
                 num_requests=num_requests, output_tokens=sum(outs), prompt_tokens=sum(map(len, prompts)),
                 gemm_peak_gflops=peak, gemm_peaks=peaks, flops_per_token=flops_per_token, results=results,
                 decode_step=decode_step_roofline(loaded, batch=64) | {"gemm_peak_gflops": peak})
@@ -229,11 +235,19 @@ def print_w1(report: dict, print_fn=print) -> None:
     print_fn(f"\nW1 on {report['machine']}: {report['num_requests']} requests, {report['prompt_tokens']} prompt "
              f"and {report['output_tokens']} output tokens")
     print_fn(f"{'system':<42}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>9}{'p99':>8}{'TPOT p50':>9}{'p99':>8}"
-             f"{'mem MiB':>8}{'slots':>7}")
+             f"{'mem MiB':>8}{'slots':>7}{'of floor':>9}")
     for r in report["results"]:
         util = f"{r['slot_utilization']:.0%}" if "slot_utilization" in r else "-"
         print_fn(f"{r['name']:<42}{r['throughput']:8.1f}{r['wall_s']:8.1f}{ms(r['ttft_p50'])}ms{ms(r['ttft_p99'])}"
-                 f"{ms(r['tpot_p50'])}ms{ms(r['tpot_p99'])}{r['peak_mem_mib']:8.0f}{util:>7}")
+                 f"{ms(r['tpot_p50'])}ms{ms(r['tpot_p99'])}{r['peak_mem_mib']:8.0f}{util:>7}"
+                 f"{r['floor_fraction']:9.0%}")
+    f = report["floor"]
+    print_fn(f"the machine's floor for W1: {f['floor_s']:.1f} s ({f['binding']} binds): compute "
+             f"{f['flops']['total'] / 1e12:.2f} TFLOP / {f['gemm_peak_flops'] / 1e9:.0f} GFLOP/s = {f['compute_s']:.1f} s; "
+             f"sequential {f['longest_output']} passes x {f['weight_bytes'] / 1e6:.0f} MB of weights / "
+             f"{f['bandwidth'] / 1e9:.1f} GB/s = {f['sequential_s']:.1f} s. 'of floor' = floor / wall time")
+    if report.get("cpu_kernels"):
+        print_fn(f"minicb's linears (chosen by timing on this machine): {describe(report['cpu_kernels'])}")
     by_key = {r.get("key"): r for r in report["results"]}
     for a, b, what in (("minicb_continuous_16", "minicb_static", "continuous vs static batching, both 16 slots"),
                        ("minicb_continuous", "minicb_continuous_16", "64 slots vs 16, both continuous"),
@@ -265,6 +279,13 @@ def w1_figure(report: dict):
     axes[0].barh(y, [r["throughput"] for r in rs], color=colors)
     for i, r in enumerate(rs):
         axes[0].text(r["throughput"], i, f" {r['throughput']:.0f}", va="center", fontsize=9)
+    if "floor" in report:  # the fastest any system could run W1 on this machine
+        bound = report["output_tokens"] / report["floor"]["floor_s"]
+        axes[0].axvline(bound, color="#c62828", linestyle="--")
+        axes[0].text(bound, len(rs) - 0.5, f"the machine's floor\n{bound:.0f} tok/s ", ha="right", va="top",
+                     color="#c62828", fontsize=8)
+        for i, r in enumerate(rs):
+            axes[0].text(0, i, f" {r['floor_fraction']:.0%} of floor", va="center", color="white", fontsize=8)
     axes[0].set_xlabel("output tokens / s (higher is better)")
     axes[0].set_yticks(y, names)
     for ax, key, label, scale in ((axes[1], "ttft", "TTFT (s)", 1), (axes[2], "tpot", "TPOT (ms)", 1000)):

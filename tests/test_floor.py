@@ -1,0 +1,66 @@
+"""The machine's floor for a workload (minicb/bench/floor.py): FLOPs counted right, both floors, the
+table's 'of floor' column."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from minicb.attention import AttentionMetadata
+from minicb.bench import floor
+from minicb.kv_cache import KVCache
+from minicb.loader import load_model, save_tiny_model
+from minicb.model import CausalLM
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return load_model(save_tiny_model(tmp_path_factory.mktemp("m"), arch="llama", seed=3), dtype=torch.float32)
+
+
+def test_layer_and_lm_head_flops_equal_what_the_model_multiplies(loaded):
+    """One prefill of p tokens, logits of its last one: the matmuls PyTorch counts in minicb's own model are
+    2 x non-embedding params per token (less the norms, which are no matmul) and 2 x LM head params once."""
+    model = CausalLM.from_hf(loaded.hf_config, loaded.state_dict, torch.float32, "cpu")
+    cache = KVCache(loaded.hf_config, 8, 4, torch.float32, "cpu")
+    p = 11
+    meta = AttentionMetadata.build([list(range(3))], [p], [p], 0, 4, cache.sink_block_id)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.inference_mode():
+        hidden = model(torch.arange(p) + 3, torch.arange(p), cache, meta)
+        model.compute_logits(hidden[-1:])
+    counted = counter.get_total_flops()
+    sizes = floor.model_sizes(loaded)
+    norms = sum(t.numel() for n, t in loaded.state_dict.items() if "norm" in n)
+    linear = 2 * (sizes["non_embedding"] - norms) * p + 2 * sizes["lm_head"]
+    attention = counted - linear  # what the counter saw of attention (p x p scores: no causal halving)
+    assert attention == 4 * sizes["attention_width"] * sizes["layers"] * p * p
+    # the workload count: prompt p, one output token -> only the prompt passes the layers, one LM head row
+    flops = floor.workload_flops(loaded, [p], [1])
+    assert flops["layers"] == 2 * sizes["non_embedding"] * p
+    assert flops["lm_head"] == 2 * sizes["lm_head"]
+    assert flops["attention"] == 4 * sizes["attention_width"] * sizes["layers"] * p * (p + 1) // 2  # causal
+
+
+def test_attention_pairs_follow_each_tokens_real_context(loaded):
+    sizes = floor.model_sizes(loaded)
+    prompts, outs = [3, 5], [4, 1]
+    pairs = sum(j + 1 for p, o in zip(prompts, outs) for j in range(p + o - 1))  # every fed position
+    flops = floor.workload_flops(loaded, prompts, outs)
+    assert flops["attention"] == 4 * sizes["attention_width"] * sizes["layers"] * pairs
+    assert flops["layers"] == 2 * sizes["non_embedding"] * (3 + 5 + 4 + 1 - 2)  # the last token is never fed
+    assert flops["total"] == flops["layers"] + flops["lm_head"] + flops["attention"]
+
+
+def test_the_floor_is_the_larger_of_compute_and_the_sequential_chain(loaded):
+    sizes = floor.model_sizes(loaded)
+    total = floor.workload_flops(loaded, [10] * 4, [2, 2, 2, 50])["total"]
+    slow_gemm = floor.workload_floor(loaded, [10] * 4, [2, 2, 2, 50], gemm_peak_flops=total / 7.0, bandwidth=1e12)
+    assert slow_gemm["binding"] == "compute" and slow_gemm["floor_s"] == pytest.approx(7.0)
+    slow_memory = floor.workload_floor(loaded, [10] * 4, [2, 2, 2, 50], gemm_peak_flops=1e15,
+                                       bandwidth=sizes["weight_bytes"] * 50 / 3.0)
+    assert slow_memory["binding"] == "sequential" and slow_memory["floor_s"] == pytest.approx(3.0)
+
+
+def test_memory_bandwidth_is_measured():
+    bw = floor.memory_bandwidth(nbytes=16 * 2**20, repeats=2)
+    assert 1e8 < bw < 1e13  # between 0.1 GB/s and 10 TB/s: a real measurement of a real machine
