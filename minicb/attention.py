@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import cdiv
+from .ragged_attention import grouped_decode_attention
 
 
 def cache_locations(block_tables, context_lens, query_lens, block_size: int) -> list[int]:
@@ -49,6 +50,7 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     query_start_loc_host: list[int]  # host copies: the prefill loop never waits for the device
     context_lens_host: list[int]
+    decode_groups: object = None  # eager CPU steps: the decode rows grouped by length (ragged_attention.py)
 
     @property
     def num_seqs(self) -> int:
@@ -197,7 +199,10 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, s
     parts = []
     if nd > 0:
         tables, lens = meta.block_tables[:nd], meta.context_lens[:nd]
-        parts.append(decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale, sliding_window))
+        if meta.decode_groups is not None and sliding_window is None:
+            parts.append(grouped_decode_attention(q[:nd], k_cache, v_cache, meta.decode_groups, scale))
+        else:
+            parts.append(decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale, sliding_window))
     if meta.num_seqs > nd:
         parts.append(prefill_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -25,6 +25,7 @@ from .request import Request
 from .scheduler import SchedulerOutput
 from .logprobs import gather_logprobs, logprobs, prompt_logprobs
 from .penalties import process_logits
+from .ragged_attention import decode_groups
 from .sampler import Sampler
 
 
@@ -85,6 +86,10 @@ class ModelRunner:
         h = host_inputs(out, self.config.block_size)
         meta = AttentionMetadata.build(h.block_tables, h.context_lens, h.query_lens, h.num_decodes,
                                        self.config.block_size, self.kv_cache.sink_block_id, self.device)
+        if self.device.type == "cpu" and h.num_decodes:  # eager CPU: decode rows grouped by length, once a step
+            meta.decode_groups = decode_groups(h.block_tables[:h.num_decodes], h.context_lens[:h.num_decodes],
+                                               self.config.block_size, self.kv_cache.sink_block_id,
+                                               self.kv_cache.k_caches[0].dtype, self.device)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
         return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.sample_rows
 
