@@ -278,14 +278,13 @@ def w1_figure(report: dict):
     fig, axes = plt.subplots(1, 3, figsize=(14, 0.9 * len(rs) + 1.8), sharey=True)
     axes[0].barh(y, [r["throughput"] for r in rs], color=colors)
     for i, r in enumerate(rs):
-        axes[0].text(r["throughput"], i, f" {r['throughput']:.0f}", va="center", fontsize=9)
+        of_floor = f" ({r['floor_fraction']:.0%} of floor)" if "floor_fraction" in r else ""
+        axes[0].text(r["throughput"], i, f" {r['throughput']:.0f}{of_floor}", va="center", fontsize=9)
     if "floor" in report:  # the fastest any system could run W1 on this machine
         bound = report["output_tokens"] / report["floor"]["floor_s"]
         axes[0].axvline(bound, color="#c62828", linestyle="--")
         axes[0].text(bound, len(rs) - 0.5, f"the machine's floor\n{bound:.0f} tok/s ", ha="right", va="top",
                      color="#c62828", fontsize=8)
-        for i, r in enumerate(rs):
-            axes[0].text(0, i, f" {r['floor_fraction']:.0%} of floor", va="center", color="white", fontsize=8)
     axes[0].set_xlabel("output tokens / s (higher is better)")
     axes[0].set_yticks(y, names)
     for ax, key, label, scale in ((axes[1], "ttft", "TTFT (s)", 1), (axes[2], "tpot", "TPOT (ms)", 1000)):
