@@ -100,6 +100,21 @@ def cpu_name() -> str:
     return f"{name} ({vector}{', AMX' if 'amx_tile' in flags else ''})"
 
 
+def best_time(fn, runs: int, budget_s: float = 0.0, max_runs: int = 1000) -> float:
+    """The fastest of at least `runs` timed calls of fn() (after one warm-up), going on while the time
+    spent is under `budget_s` (up to max_runs): the best run is the one least disturbed by the machine."""
+    fn()  # warm up
+    best, spent = float("inf"), 0.0
+    for run in range(max(runs, 1) if budget_s <= 0 else max_runs):
+        t = time.perf_counter()
+        fn()
+        took = time.perf_counter() - t
+        best, spent = min(best, took), spent + took
+        if run + 1 >= runs and spent > budget_s:
+            break
+    return best
+
+
 def kernel_fn(kernel: str, weight: torch.Tensor):
     """x -> x W^T with `kernel` ("matmul" or "onednn") on this (out_features, in_features) weight."""
     if kernel == "matmul":
@@ -110,18 +125,11 @@ def kernel_fn(kernel: str, weight: torch.Tensor):
 
 def time_linear(in_features: int, out_features: int, kernel: str, batch_sizes=BATCH_SIZES) -> float:
     """Seconds for one product at each batch size, summed: the best of several runs per size."""
-    fn, total = kernel_fn(kernel, torch.randn(out_features, in_features)), 0.0
+    fn = kernel_fn(kernel, torch.randn(out_features, in_features))
+    total = 0.0
     for b in batch_sizes:
-        x, best, spent = torch.randn(b, in_features), float("inf"), 0.0
-        fn(x)  # warm up
-        for run in range(1000):
-            t = time.perf_counter()
-            fn(x)
-            took = time.perf_counter() - t
-            best, spent = min(best, took), spent + took
-            if run >= 2 and spent > TIME_PER_CASE_S:
-                break
-        total += best
+        x = torch.randn(b, in_features)
+        total += best_time(lambda: fn(x), runs=3, budget_s=TIME_PER_CASE_S)
     return total
 
 
@@ -210,11 +218,5 @@ def gemm_peaks(n: int = 2048, repeats: int = 10) -> dict[str, float]:
         kernels["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
     peaks = {}
     for name, gemm in kernels.items():
-        gemm()  # warm up
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            gemm()
-            best = min(best, time.perf_counter() - t)
-        peaks[name] = 2 * n**3 / best / 1e9
+        peaks[name] = 2 * n**3 / best_time(gemm, runs=repeats) / 1e9
     return peaks

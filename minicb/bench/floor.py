@@ -19,21 +19,15 @@ prompt token at position j scores j + 1 keys). Padding, masks and recomputation 
 workload needs, so they count in no floor.
 """
 
-import time
-
 
 def memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: the best of a few sums over a float32 array much larger than any cache."""
     import torch
 
+    from ..cpu_kernels import best_time
+
     x = torch.ones(nbytes // 4)
-    x.sum()  # touch every page first
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    return nbytes / best_time(x.sum, runs=repeats)  # its warm-up touches every page first
 
 
 def model_sizes(loaded) -> dict[str, int]:
