@@ -23,7 +23,7 @@ ENGINE_LIMIT, FILE_LIMIT, METHOD_LIMIT = 2300, 300, 40
 # (penalties, logprobs) are engine modules too, counted in the engine layer's total, not here.
 ONE_STEP = ["config", "request", "sampling_params", "block_manager", "scheduler", "scheduler_output",
             "model_runner", "kv_cache", "attention", "model", "sampler", "cuda_graph", "engine"]
-CORE = ["config", "request", "sampling_params", "block_manager", "scheduler", "scheduler_output", "trace", "sim"]
+CORE = ["config", "request", "sampling_params", "block_manager", "scheduler", "scheduler_output", "limits", "trace", "sim"]
 SURFACE = ("viz", "serve", "bench")
 
 

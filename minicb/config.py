@@ -95,27 +95,6 @@ class EngineConfig:
             return None
         return cdiv(self.max_model_len, self.block_size)
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int, priority: int = 0, num_samples: int = 1) -> None:
-        """Raise ValueError, naming the limit, if such a request could never run under this config."""
-        n = num_prompt_tokens
-        if n == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if num_samples > self.max_num_seqs:  # the samples run side by side, one slot each
-            raise ValueError(f"n={num_samples} samples need {num_samples} slots, but max_num_seqs is {self.max_num_seqs}")
-        if priority != 0 and self.scheduling_policy != "priority":  # as vLLM refuses it
-            raise ValueError(f"got priority {priority} but scheduling_policy is {self.scheduling_policy!r}: "
-                             "priorities are used only with scheduling_policy='priority'")
-        if self.max_model_len is not None and n + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens and max_tokens is {max_tokens}: "
-                             f"{n + max_tokens} exceeds max_model_len {self.max_model_len}")
-        cached = n + max_tokens - 1  # the last generated token is never fed back, so never cached
-        if self.num_blocks is not None and cdiv(cached, self.block_size) > self.num_blocks:
-            raise ValueError(f"request needs up to {cached} tokens = {cdiv(cached, self.block_size)} KV blocks of "
-                             f"{self.block_size}, but the cache has only num_blocks={self.num_blocks}")
-        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
-            raise ValueError(f"prompt has {n} tokens but max_num_batched_tokens is "
-                             f"{self.max_num_batched_tokens} and chunked prefill is disabled")
-
     @property
     def num_swap_blocks(self) -> int:
         """CPU blocks set aside for swapping: none unless preemption_mode is "swap"."""

@@ -9,6 +9,7 @@ first and fork after its prefill, Scheduler.fork). A request refused here never 
 import time
 
 from .config import EngineConfig
+from .limits import check_request
 from .request import Request
 from .sampling_params import SamplingParams
 
@@ -46,7 +47,7 @@ class InputProcessor:
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}) (the vocabulary), "
                              f"got {max(params.logit_bias)}")
-        self.config.check_request(len(ids), params.max_tokens, priority, params.n)
+        check_request(self.config, len(ids), params.max_tokens, priority, params.n)
         sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]  # vLLM's child ids
         if any(sid in taken for sid in sample_ids):
             raise ValueError(f"request id {request_id!r} (or one of its samples' ids) is already in use")

@@ -16,6 +16,7 @@ import heapq
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .limits import check_request
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -45,7 +46,7 @@ class Scheduler:
         """Queue a request, or raise ValueError if it could never run (nothing else changes)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.config.check_request(req.num_prompt_tokens, req.params.max_tokens, req.priority, req.num_seqs)
+        check_request(self.config, req.num_prompt_tokens, req.params.max_tokens, req.priority, req.num_seqs)
         self.requests[req.request_id] = req
         bisect.insort(self.waiting, req, key=self.policy_key)
 
@@ -212,8 +213,7 @@ class Scheduler:
         c, bm, rows = self.config, self.block_manager, []
         forming = self._forming_batch()
         while self.waiting:
-            req = self.waiting[0] if forming else next(
-                (r for r in self.waiting if r.request_id in self.static_batch), None)
+            req = self.waiting[0] if forming else next((r for r in self.waiting if r.request_id in self.static_batch), None)
             if req is None or not self._has_seats(req) or (
                     self.swapped and (not forming or self.policy_key(self.swapped[0]) < self.policy_key(req))):
                 break  # a swapped request comes first: it waits for room, and so does everyone behind it
