@@ -9,7 +9,8 @@
 - Throughput: output tokens / wall time from first arrival to last finish.
 """
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -26,6 +27,44 @@ def percentile(values: list[float], q: float) -> float:
 def mean_gap(first: float, last: float, num_tokens: int) -> float | None:
     """The mean time between `num_tokens` tokens, the first at `first` and the last at `last`."""
     return (last - first) / (num_tokens - 1) if num_tokens >= 2 else None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.perf_counter seconds) filled in by the engine."""
+
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    _times: list[float] = field(default_factory=list, repr=False)  # only ever grows; snapshots share it
+    _seen: int | None = field(default=None, repr=False)  # a snapshot sees only its first _seen entries
+
+    @property
+    def token_times(self) -> list[float]:
+        """When each output token came out, in order (inter-token latency is their differences)."""
+        return self._times if self._seen is None else self._times[:self._seen]
+
+    def record_token(self, t: float) -> None:
+        self._times.append(t)
+
+    def snapshot(self) -> "RequestMetrics":
+        """A copy that later tokens do not change. O(1) per step, not O(tokens so far): it shares the
+        list of times, which only grows, and remembers how much of it existed."""
+        return dataclasses.replace(self, _seen=len(self._times))
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None or self.arrival_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival until the first generated token exists."""
+        if self.first_token_time is None or self.arrival_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
 
 
 def tpot(metrics, num_output_tokens: int) -> float | None:

@@ -7,10 +7,9 @@ Each step the scheduler gives a request `num_tokens - num_computed_tokens` token
 vLLM v1 uses, so prefill, chunked prefill, decode and recompute after preemption are one code path.
 """
 
-import dataclasses
 import enum
-from dataclasses import dataclass, field
 
+from .metrics import RequestMetrics  # wall-clock times of one request (TTFT, token times)
 from .sampling_params import SamplingParams
 
 
@@ -26,44 +25,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("stop", "length", "abort", "error")
-
-
-@dataclass
-class RequestMetrics:
-    """Wall-clock times (time.perf_counter seconds) filled in by the engine."""
-
-    arrival_time: float | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    _times: list[float] = field(default_factory=list, repr=False)  # only ever grows; snapshots share it
-    _seen: int | None = field(default=None, repr=False)  # a snapshot sees only its first _seen entries
-
-    @property
-    def token_times(self) -> list[float]:
-        """When each output token came out, in order (inter-token latency is their differences)."""
-        return self._times if self._seen is None else self._times[:self._seen]
-
-    def record_token(self, t: float) -> None:
-        self._times.append(t)
-
-    def snapshot(self) -> "RequestMetrics":
-        """A copy that later tokens do not change. O(1) per step, not O(tokens so far): it shares the
-        list of times, which only grows, and remembers how much of it existed."""
-        return dataclasses.replace(self, _seen=len(self._times))
-
-    @property
-    def queue_time(self) -> float | None:
-        if self.first_scheduled_time is None or self.arrival_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token: arrival until the first generated token exists."""
-        if self.first_token_time is None or self.arrival_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
 
 
 class Request:
