@@ -101,15 +101,18 @@ class AttentionMetadata:
         )
 
 
-def store_kv(k, v, k_cache, v_cache, cache_locs) -> None:
-    """Write K/V of shape (num_tokens, kv_heads, head_dim) at their cache locations in the paged cache."""
+def store_kv(k, v, k_cache, v_cache, cache_locs, quant=None) -> None:
+    """Write K/V of shape (num_tokens, kv_heads, head_dim) at their cache locations in the paged cache.
+    `quant` (a KVQuant, kv_quant.py): the cache holds another dtype, e.g. fp8 with a scale per layer."""
+    if quant is not None:
+        k, v = quant.quantize(k, v)
     kv_heads, head_dim = k_cache.shape[-2:]
     # (num_blocks, block_size, kv_heads, head_dim) seen as (num_locations, kv_heads, head_dim)
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, cache_locs, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, cache_locs, v)
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None):
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None, quant=None):
     """One query per sequence against its cached context.
 
     q: (B, num_heads, head_dim); block_tables: (B, max_blocks); context_lens: (B,), each >= 1
@@ -126,6 +129,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sli
     flat_tables = block_tables.reshape(-1)
     k = k_cache.index_select(0, flat_tables).view(batch, max_len, kv_heads, head_dim)
     v = v_cache.index_select(0, flat_tables).view(batch, max_len, kv_heads, head_dim)
+    if quant is not None:  # back to the model's dtype (fp8: times the layer's scale)
+        k, v = quant.dequantize(k, v, q.dtype)
 
     # Position t of the gathered rows holds absolute position t; only positions < context_len are this
     # sequence's (the rest are the tail of its last block, or sink padding).
@@ -148,7 +153,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sli
     return out.reshape(batch, num_heads, head_dim)
 
 
-def prefill_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None):
+def prefill_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, quant=None):
     """Causal attention for every prefill chunk of the batch (sequences num_decodes..num_seqs-1).
 
     q: (num_tokens, num_heads, head_dim), k/v: (num_tokens, kv_heads, head_dim) for the
@@ -161,12 +166,14 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale,
         start, end = starts[i], starts[i + 1]
         query_len, context_len = end - start, meta.context_lens_host[i]
         prefix_len = context_len - query_len  # tokens cached by earlier steps
-        if prefix_len == 0:  # nothing cached before: the chunk's own K/V is everything
+        if prefix_len == 0 and quant is None:  # nothing cached before: the chunk's own K/V is everything
             keys, values = k[start:end], v[start:end]
         else:  # gather the prefix + chunk from the cache: (context_len, kv_heads, head_dim)
             table = meta.block_tables[i, : cdiv(context_len, block_size)]
             keys = k_cache.index_select(0, table).flatten(0, 1)[:context_len]
             values = v_cache.index_select(0, table).flatten(0, 1)[:context_len]
+            if quant is not None:  # a quantized cache is read back, as every later step will read it
+                keys, values = quant.dequantize(keys, values, q.dtype)
 
         # Query j sits at absolute position prefix_len + j and sees keys 0..prefix_len + j.
         q_pos = torch.arange(prefix_len, context_len, device=q.device)[:, None]
@@ -188,21 +195,21 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale,
     return torch.cat(outs)
 
 
-def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None):
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, quant=None):
     """Store this step's K/V, then attend: decodes first, prefill chunks after.
 
     q: (num_tokens, num_heads, head_dim), k/v: (num_tokens, kv_heads, head_dim).
     Returns (num_tokens, num_heads, head_dim).
     """
-    store_kv(k, v, k_cache, v_cache, meta.cache_locs)
+    store_kv(k, v, k_cache, v_cache, meta.cache_locs, quant)
     nd = meta.num_decodes
     parts = []
     if nd > 0:
         tables, lens = meta.block_tables[:nd], meta.context_lens[:nd]
         if meta.decode_groups is not None and sliding_window is None:
-            parts.append(grouped_decode_attention(q[:nd], k_cache, v_cache, meta.decode_groups, scale))
+            parts.append(grouped_decode_attention(q[:nd], k_cache, v_cache, meta.decode_groups, scale, quant))
         else:
-            parts.append(decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale, sliding_window))
+            parts.append(decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale, sliding_window, quant))
     if meta.num_seqs > nd:
-        parts.append(prefill_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window))
+        parts.append(prefill_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -13,6 +13,7 @@ BATCHING_MODES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")  # vLLM has the first two; "sjf" is minicb's
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")  # kv_quant.CACHE_DTYPES
 
 
 def cdiv(a: int, b: int) -> int:
@@ -28,10 +29,14 @@ class EngineConfig:
 
     # --- paged KV memory ---
     block_size: int = 16  # tokens per KV block: small blocks waste less, large ones gather faster
-    num_blocks: int | None = None  # KV blocks on the device; None: derived from kv_cache_bytes
-    # Memory budget of the KV cache. None: 512 MiB on every device, which a laptop CPU can spare; on a
-    # GPU set it (vLLM sizes it from free memory with gpu_memory_utilization, which minicb lacks).
-    kv_cache_bytes: int | None = None
+    num_blocks: int | None = None  # KV blocks on the device; None: derived from kv_cache_memory_bytes
+    # Memory budget of the KV cache (vLLM's name). None: 512 MiB on every device, which a laptop CPU can
+    # spare; on a GPU set it (vLLM sizes it from free memory with gpu_memory_utilization, which minicb lacks).
+    kv_cache_memory_bytes: int | None = None
+    # What the cache stores (vLLM's names): "auto" the model's dtype (exact); "bfloat16"/"float16" half of
+    # float32; "fp8" (= "fp8_e4m3") one byte a value, twice the blocks of bfloat16, some rounding error
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # fp8: scales from the first forward's amax (vLLM's), not 1.0
     num_cpu_blocks: int | None = None  # swap space in blocks; None: as many as num_blocks
     enable_prefix_caching: bool = True  # reuse full blocks whose token prefix was computed before
     max_model_len: int | None = None  # prompt + output limit; None: the model's (or unlimited in sim)
@@ -66,7 +71,7 @@ class EngineConfig:
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive(name)
-        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
+        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
             positive(name, allow_none=True)
         if self.num_cpu_blocks is not None and (
             not isinstance(self.num_cpu_blocks, int) or isinstance(self.num_cpu_blocks, bool)
@@ -78,11 +83,14 @@ class EngineConfig:
             ("scheduling_policy", SCHEDULING_POLICIES),
             ("preemption_mode", PREEMPTION_MODES),
             ("dtype", DTYPES),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {allowed}")
         if not (self.use_cuda_graph is True or self.use_cuda_graph is False or self.use_cuda_graph == "auto"):
             raise ValueError(f"use_cuda_graph must be True, False or 'auto', got {self.use_cuda_graph!r}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(f"calculate_kv_scales needs an fp8 KV cache, but kv_cache_dtype is {self.kv_cache_dtype!r}")
         if self.prepack_cpu_weights not in (True, False, "auto"):
             raise ValueError(f"prepack_cpu_weights must be True, False or 'auto', got {self.prepack_cpu_weights!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):

@@ -14,6 +14,7 @@ import torch
 
 from .config import EngineConfig
 from .kv_cache import KVCache, kv_bytes_per_token
+from .kv_quant import cache_dtype_of
 from .loader import LoadedModel, cache_dir, load_model
 from .cpu_kernels import prepare_cpu_linears
 from .model import CausalLM
@@ -36,10 +37,11 @@ def resolve_config(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
     max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
     num_blocks = config.num_blocks
     if num_blocks is None:
-        per_block = kv_bytes_per_token(loaded.hf_config, getattr(torch, config.dtype)) * config.block_size
-        num_blocks = (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block
+        cache_dtype = cache_dtype_of(config.kv_cache_dtype, getattr(torch, config.dtype))  # fp8: 1 byte a value
+        per_block = kv_bytes_per_token(loaded.hf_config, cache_dtype) * config.block_size
+        num_blocks = (config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES) // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is smaller than one KV block "
+            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV block "
                              f"({per_block} bytes for block_size={config.block_size})")
     return config.replace(max_model_len=max_len, num_blocks=num_blocks)
 
@@ -59,7 +61,7 @@ class Engine:
             model, self.cpu_kernels = prepare_cpu_linears(model, config.prepack_cpu_weights,
                                                             cache_dir() / "cpu_kernels.json")
         self.kv_cache = KVCache(loaded.hf_config, config.num_blocks, config.block_size, dtype, config.device,
-                                config.num_swap_blocks)
+                                config.num_swap_blocks, cache_dtype_of(config.kv_cache_dtype, dtype))
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, self.kv_cache, config, config.device)
         use_graph = config.use_cuda_graph is True or (
@@ -68,6 +70,8 @@ class Engine:
             from .cuda_graph import DecodeGraphRunner
 
             self.runner.graph_runner = DecodeGraphRunner(self.runner)
+        for quant in self.kv_cache.quant if config.calculate_kv_scales else []:  # after capture: not in a graph
+            quant.calibrate = True  # fp8: the first forward pass sets each layer's scales (kv_quant.py)
         self.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)  # text, logprobs, samples -> outputs

@@ -17,9 +17,12 @@ padding can never touch a real request's cache.
 
 CPU swap space (`num_cpu_blocks`) holds blocks of preempted requests
 (preemption_mode="swap"); `swap_out` / `swap_in` copy whole blocks for all layers at once.
+The cache may hold another dtype than the model computes in (kv_cache_dtype="fp8": kv_quant.py).
 """
 
 import torch
+
+from .kv_quant import KVQuant
 
 
 def head_dim_of(hf_config) -> int:
@@ -40,7 +43,8 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
 class KVCache:
     """Paged K/V tensors for every layer, plus the sink block and CPU swap space."""
 
-    def __init__(self, hf_config, num_blocks: int, block_size: int, dtype, device, num_cpu_blocks: int = 0):
+    def __init__(self, hf_config, num_blocks: int, block_size: int, dtype, device, num_cpu_blocks: int = 0,
+                 cache_dtype=None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -52,8 +56,13 @@ class KVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads_of(hf_config)
         self.head_dim = head_dim_of(hf_config)
-        self.dtype = dtype
+        self.dtype = dtype  # what attention computes in
+        self.cache_dtype = cache_dtype or dtype  # what the cache holds: fewer bytes, more blocks
         self.device = torch.device(device)
+        # Per layer, None when the cache holds the model's dtype; else how K/V go in and out (with fp8 scales)
+        self.quant = [KVQuant(self.cache_dtype, self.device) if self.cache_dtype != dtype else None
+                      for _ in range(self.num_layers)]
+        storage = self.quant[0].storage_dtype() if self.quant[0] else dtype  # fp8 bytes are kept as uint8
         self.num_cpu_blocks = num_cpu_blocks
         self.sink_block_id = num_blocks  # the extra block at the end
         self.sink_loc = self.sink_block_id * block_size  # the sink's first cache location
@@ -64,7 +73,7 @@ class KVCache:
         block_shape = (block_size, self.num_kv_heads, self.head_dim)
         # zeros, not empty: padded rows read the sink, and although their attention weights on it
         # are masked to 0, 0 * NaN from uninitialised memory would still be NaN.
-        self.k = torch.zeros((self.num_layers, num_blocks + 1, *block_shape), dtype=dtype, device=self.device)
+        self.k = torch.zeros((self.num_layers, num_blocks + 1, *block_shape), dtype=storage, device=self.device)
         self.v = torch.zeros_like(self.k)
         self.k_caches = list(self.k.unbind(0))  # views, one per layer
         self.v_caches = list(self.v.unbind(0))
@@ -72,8 +81,8 @@ class KVCache:
         # Pinned host memory makes device <-> host copies fast (and possible to overlap).
         pin = self.device.type == "cuda"
         cpu_shape = (self.num_layers, num_cpu_blocks, *block_shape)
-        self.cpu_k = torch.zeros(cpu_shape, dtype=dtype, device="cpu", pin_memory=pin)
-        self.cpu_v = torch.zeros(cpu_shape, dtype=dtype, device="cpu", pin_memory=pin)
+        self.cpu_k = torch.zeros(cpu_shape, dtype=storage, device="cpu", pin_memory=pin)
+        self.cpu_v = torch.zeros(cpu_shape, dtype=storage, device="cpu", pin_memory=pin)
 
     @property
     def num_bytes(self) -> int:
@@ -126,6 +135,6 @@ class KVCache:
         return (
             f"KVCache(layers={self.num_layers}, blocks={self.num_blocks} + 1 sink, "
             f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"dtype={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
+            f"dtype={str(self.cache_dtype).removeprefix('torch.')}, device={self.device}, "
             f"{mib:.1f} MiB, cpu_blocks={self.num_cpu_blocks})"
         )

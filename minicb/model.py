@@ -111,7 +111,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window_of(cfg, layer_idx)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, quant=None):
         n = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -121,7 +121,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, quant)
         return self.o_proj(out.view(n, q_size))
 
 
@@ -147,8 +147,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, k_cache, v_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
+    def forward(self, h, cos, sin, k_cache, v_cache, meta, quant=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, quant)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -217,8 +217,8 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         # (num_tokens, 1, head_dim): looked up once, shared by every head of every layer
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k_caches, kv_cache.v_caches):
-            h = layer(h, cos, sin, k_cache, v_cache, meta)
+        for layer, k_cache, v_cache, quant in zip(self.layers, kv_cache.k_caches, kv_cache.v_caches, kv_cache.quant):
+            h = layer(h, cos, sin, k_cache, v_cache, meta, quant)
         return self.norm(h)
 
     def compute_logits(self, hidden) -> torch.Tensor:

@@ -89,7 +89,7 @@ class ModelRunner:
         if self.device.type == "cpu" and h.num_decodes:  # eager CPU: decode rows grouped by length, once a step
             meta.decode_groups = decode_groups(h.block_tables[:h.num_decodes], h.context_lens[:h.num_decodes],
                                                self.config.block_size, self.kv_cache.sink_block_id,
-                                               self.kv_cache.k_caches[0].dtype, self.device)
+                                               self.kv_cache.dtype, self.device)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
         return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.sample_rows
 

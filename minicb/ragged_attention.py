@@ -75,7 +75,7 @@ def decode_groups(block_tables: list[list[int]], context_lens: list[int], block_
     return DecodeGroups(rows, tables, masks, len(block_tables), in_order=len(groups) == 1)
 
 
-def grouped_decode_attention(q, k_cache, v_cache, groups: DecodeGroups, scale):
+def grouped_decode_attention(q, k_cache, v_cache, groups: DecodeGroups, scale, quant=None):
     """decode_attention's result, group by group. q: (B, num_heads, head_dim) -> (B, num_heads, head_dim)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -86,6 +86,8 @@ def grouped_decode_attention(q, k_cache, v_cache, groups: DecodeGroups, scale):
         length = width * block_size
         k = k_cache.index_select(0, tables.reshape(-1)).view(g, length, kv_heads, head_dim)
         v = v_cache.index_select(0, tables.reshape(-1)).view(g, length, kv_heads, head_dim)
+        if quant is not None:  # a cache in another dtype than the model's (kv_quant.py)
+            k, v = quant.dequantize(k, v, q.dtype)
         q_g = q if groups.in_order else q.index_select(0, rows)
         o = F.scaled_dot_product_attention(q_g.view(g, kv_heads, group_size, head_dim), k.transpose(1, 2),
                                            v.transpose(1, 2), attn_mask=mask, scale=scale)  # (g, kv, group, hd)

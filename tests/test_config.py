@@ -30,7 +30,7 @@ def test_required_positive_ints(field, value):
         EngineConfig(**{field: value})
 
 
-@pytest.mark.parametrize("field", ["num_blocks", "kv_cache_bytes", "max_model_len"])
+@pytest.mark.parametrize("field", ["num_blocks", "kv_cache_memory_bytes", "max_model_len"])
 @pytest.mark.parametrize("value", [0, -5, 1.5, "8", False])
 def test_optional_positive_ints(field, value):
     EngineConfig(**{field: None})  # None means "derive it"

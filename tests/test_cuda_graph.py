@@ -127,10 +127,10 @@ def test_replay_with_new_contents_matches_eager(loaded, block_size, max_len):
 
 def narrow_to_host_max(real):
     """A regression: gather only as many blocks as the longest context, taken from a host list."""
-    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
+    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, quant=None):
         width = -(-max(meta.context_lens_host) // k_cache.shape[1])  # Python max(): frozen at capture
         meta = dataclasses.replace(meta, block_tables=meta.block_tables[:, :width])
-        return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant)
     return paged_attention
 
 
@@ -143,16 +143,16 @@ def test_a_width_from_python_max_is_caught(loaded, monkeypatch):
 
 
 def width_from_item(real):
-    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
+    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, quant=None):
         width = -(-int(meta.context_lens.max()) // k_cache.shape[1])  # a device value read on the host
         meta = dataclasses.replace(meta, block_tables=meta.block_tables[:, :width])
-        return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant)
     return paged_attention
 
 
 def keep_live_rows(real):
-    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
-        out = real(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, quant=None):
+        out = real(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant)
         live = meta.context_lens > 1
         out[live] = out[live] * 1.0  # boolean-mask indexing: its shape depends on the data
         return out

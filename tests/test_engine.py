@@ -74,11 +74,11 @@ def test_seeded_sampling_independent_of_batch(llm):
 
 def test_kv_cache_sized_from_byte_budget(loaded):
     per_block = kv_bytes_per_token(loaded.hf_config, torch.float64) * 8
-    engine = Engine(EngineConfig(dtype="float64", block_size=8, kv_cache_bytes=10 * per_block + 5), loaded)
+    engine = Engine(EngineConfig(dtype="float64", block_size=8, kv_cache_memory_bytes=10 * per_block + 5), loaded)
     assert engine.config.num_blocks == 10
     assert engine.kv_cache.k_caches[0].shape[0] == 11  # plus the sink block
     with pytest.raises(ValueError, match="smaller than one KV block"):
-        Engine(EngineConfig(dtype="float64", block_size=8, kv_cache_bytes=per_block - 1), loaded)
+        Engine(EngineConfig(dtype="float64", block_size=8, kv_cache_memory_bytes=per_block - 1), loaded)
 
 
 @pytest.mark.parametrize("prompt, params, match", [

@@ -65,7 +65,7 @@ def test_w2_runner_on_a_tiny_model(tiny):
     path, _, _ = tiny
     for use_graph in (False, True):
         r = run_w2(str(path), use_cuda_graph=use_graph, num_requests=12, min_len=10, max_len=100,
-                   dtype="float32", max_num_seqs=8, kv_cache_bytes=64 * 2**20)
+                   dtype="float32", max_num_seqs=8, kv_cache_memory_bytes=64 * 2**20)
         assert r["output_tokens_per_s"] > 0 and r["num_requests"] == 12
         assert (r["graph_steps"] > 0) == use_graph, r
 

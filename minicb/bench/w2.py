@@ -43,10 +43,10 @@ def _load(model_path, loaded, dtype: str):
     return loaded if loaded is not None else load_model(model_path or W2_MODEL, getattr(torch, dtype))
 
 
-def _kv_budget(loaded, kv_cache_bytes: int | None) -> int:
+def _kv_budget(loaded, kv_cache_memory_bytes: int | None) -> int:
     """Bytes for the KV cache: given, or a fraction of free GPU memory minus the weights."""
-    if kv_cache_bytes is not None:
-        return kv_cache_bytes
+    if kv_cache_memory_bytes is not None:
+        return kv_cache_memory_bytes
     free, _ = torch.cuda.mem_get_info()
     weights = sum(t.numel() * t.element_size() for t in loaded.state_dict.values())
     return int(free * W2_KV_FRACTION) - weights
@@ -66,7 +66,7 @@ def w2_workload(vocab_size: int, num_requests: int = 256, min_len: int = 100, ma
 
 def run_w2(model_path: str | None = None, use_cuda_graph: bool = True, *, num_requests: int = 256,
            min_len: int = 100, max_len: int = 1024, seed: int = 0, dtype: str = "bfloat16",
-           max_num_seqs: int = 256, max_num_batched_tokens: int = 4096, kv_cache_bytes: int | None = None,
+           max_num_seqs: int = 256, max_num_batched_tokens: int = 4096, kv_cache_memory_bytes: int | None = None,
            loaded=None) -> dict:
     """Workload W2 on CUDA; returns throughput in output tokens/s and what ran how."""
     require_cuda("run_w2")
@@ -75,7 +75,7 @@ def run_w2(model_path: str | None = None, use_cuda_graph: bool = True, *, num_re
     llm = LLM.from_loaded(loaded, device="cuda", dtype=dtype, use_cuda_graph=use_cuda_graph,
                           max_model_len=2 * max_len,  # fixes the graphs' block-table width: keep it tight
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          kv_cache_bytes=_kv_budget(loaded, kv_cache_bytes),
+                          kv_cache_memory_bytes=_kv_budget(loaded, kv_cache_memory_bytes),
                           record_trace=False)  # a trace of ~1000 steps x 256 block tables costs host time
     engine, graph_runner = llm.engine, llm.engine.runner.graph_runner
     # Warm-up outside the timing: CUDA context, cuBLAS handles, the first prefill kernels.

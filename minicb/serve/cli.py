@@ -39,7 +39,7 @@ class ServerThread:
 
 def add_engine_arguments(parser, max_num_seqs: int = 32) -> None:
     """The engine's knobs (EngineConfig fields, vLLM's flag names), shared by `serve` and the load test."""
-    from ..config import BATCHING_MODES, DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES
+    from ..config import BATCHING_MODES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES
 
     parser.add_argument("--model", default=None, help="model dir or hub id (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
@@ -47,8 +47,11 @@ def add_engine_arguments(parser, max_num_seqs: int = 32) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests running at once (batch slots)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-bytes)")
-    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget (default 512 MiB)")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-bytes)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget (default 512 MiB)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="what the KV cache stores: auto (the model's dtype) or fp8 (twice bfloat16's blocks)")
+    parser.add_argument("--calculate-kv-scales", action="store_true", help="fp8: scales from the first forward's amax")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                         help="fcfs, priority (a request's lowest 'priority' value first) or sjf")
@@ -65,7 +68,9 @@ def engine_config(args, model: str | None = None):
     graphs = {"auto": "auto", "true": True, "false": False}[args.use_cuda_graph]
     return EngineConfig(model=model or args.model, dtype=args.dtype, device=args.device,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
+                        block_size=args.block_size, num_blocks=args.num_blocks,
+                        kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype,
+                        calculate_kv_scales=args.calculate_kv_scales,
                         max_model_len=args.max_model_len, scheduling_policy=args.scheduling_policy,
                         batching=args.batching, preemption_mode=args.preemption_mode,
                         enable_prefix_caching=args.enable_prefix_caching, use_cuda_graph=graphs)
