@@ -162,3 +162,22 @@ def test_fp8_decode_in_the_cuda_graph_emulation_matches_eager_and_capture_does_n
     assert graphs == eager
     assert any(r.graph_bucket is not None for r in llm.engine.trace), "no decode step ran in a graph"
     assert not any(q.calibrate for q in quant) and all(q.k_scale.item() != 1.0 for q in quant)
+
+
+def test_accuracy_report_arithmetic_and_figures():
+    from minicb.bench.kv_fp8 import Fp8Report, VariantResult, first_difference
+    from minicb.viz.kv_fp8 import fp8_accuracy, fp8_grid, scale_sweep
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 5, 3], [1, 2, 3]) == 1
+    ref = VariantResult("float32 (reference)", [[1, 2, 3], [4, 5]], [[7, 7, 7], [8, 8]],
+                        [torch.ones(4, 2), torch.ones(4, 2)])
+    fp8 = VariantResult("fp8, scale 1.0", [[1, 9, 3], [4, 5]], [[7, 0, 7], [8, 8]],
+                        [torch.ones(4, 2) * 1.01, torch.ones(4, 2) * 0.9])
+    report = Fp8Report([[0], [0]], {ref.name: ref, fp8.name: fp8})
+    assert report.top1_agreement("fp8, scale 1.0") == 4 / 5
+    assert report.first_divergence("fp8, scale 1.0") == [1, None]
+    assert [round(e, 6) for e in report.attention_errors("fp8, scale 1.0")] == [0.01, 0.1]
+    assert "80.0%" in report.table() and "[1, -]" in report.table()
+    for fig in (fp8_grid([2.0**-9, 0.5, 1.0, 448.0]), scale_sweep([1.0, 2.0], {"K": [0.1, 0.2]}, {"1.0": 1.0}),
+                fp8_accuracy({"fp8": [0.1, 0.2]}, {"fp8": 0.9}, {"fp8": [3, None]}, 48)):
+        assert fig.axes
