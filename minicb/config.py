@@ -58,6 +58,9 @@ class EngineConfig:
     # float32 on CPU: "auto" times oneDNN's packed weights against torch.matmul on each linear shape once
     # per machine and keeps the faster (which one wins differs: AVX-512 vs AVX2); True packs all, False none
     prepack_cpu_weights: bool | str = "auto"
+    # Split every layer over N processes (vLLM's name): each holds 1/N of the heads and MLP features and
+    # the KV cache of its own KV heads; N must divide the model's KV heads (parallel.py)
+    tensor_parallel_size: int = 1
     seed: int = 0  # generator for sampled requests that carry no seed of their own
     record_trace: bool = True  # keep one StepRecord per step (notebooks); servers may turn it off
 
@@ -69,7 +72,7 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             positive(name)
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
             positive(name, allow_none=True)
@@ -91,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"use_cuda_graph must be True, False or 'auto', got {self.use_cuda_graph!r}")
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError(f"calculate_kv_scales needs an fp8 KV cache, but kv_cache_dtype is {self.kv_cache_dtype!r}")
+        if self.tensor_parallel_size > 1 and self.use_cuda_graph is True:
+            raise ValueError("CUDA graphs are not supported with tensor_parallel_size > 1: use use_cuda_graph=False")
         if self.prepack_cpu_weights not in (True, False, "auto"):
             raise ValueError(f"prepack_cpu_weights must be True, False or 'auto', got {self.prepack_cpu_weights!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):

@@ -38,7 +38,8 @@ def resolve_config(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
     num_blocks = config.num_blocks
     if num_blocks is None:
         cache_dtype = cache_dtype_of(config.kv_cache_dtype, getattr(torch, config.dtype))  # fp8: 1 byte a value
-        per_block = kv_bytes_per_token(loaded.hf_config, cache_dtype) * config.block_size
+        # with tensor parallelism each rank caches its own KV heads: 1/N of the bytes, so N times the blocks
+        per_block = kv_bytes_per_token(loaded.hf_config, cache_dtype) * config.block_size // config.tensor_parallel_size
         num_blocks = (config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES) // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV block "
@@ -55,17 +56,23 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.vocab_size
         self.model_name = loaded.name
-        model = CausalLM.from_hf(loaded.hf_config, loaded.state_dict, dtype, config.device)
+        self.tp = None  # with tensor_parallel_size N > 1: rank 0's shard here, N - 1 worker processes (parallel.py)
+        if config.tensor_parallel_size > 1:
+            from .parallel import TensorParallel
+
+            self.tp = TensorParallel(loaded, config)
+        model = self.tp.model if self.tp else CausalLM.from_hf(loaded.hf_config, loaded.state_dict, dtype, config.device)
         self.cpu_kernels = {}  # linear shape -> the kernel it runs on (float32 on CPU), see cpu_kernels.py
         if config.prepack_cpu_weights and dtype == torch.float32 and torch.device(config.device).type == "cpu":
             model, self.cpu_kernels = prepare_cpu_linears(model, config.prepack_cpu_weights,
                                                             cache_dir() / "cpu_kernels.json")
-        self.kv_cache = KVCache(loaded.hf_config, config.num_blocks, config.block_size, dtype, config.device,
+        self.kv_cache = KVCache(self.tp.hf_config if self.tp else loaded.hf_config, config.num_blocks, config.block_size, dtype, config.device,
                                 config.num_swap_blocks, cache_dtype_of(config.kv_cache_dtype, dtype))
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, self.kv_cache, config, config.device)
+        self.runner.tp = self.tp
         use_graph = config.use_cuda_graph is True or (
-            config.use_cuda_graph == "auto" and torch.device(config.device).type == "cuda")
+            config.use_cuda_graph == "auto" and torch.device(config.device).type == "cuda" and not self.tp)
         if use_graph:
             from .cuda_graph import DecodeGraphRunner
 
@@ -109,6 +116,11 @@ class Engine:
             if self.scheduler.abort_request(sample.request_id) is not None:
                 sample.metrics.finish_time = time.perf_counter()
         return self.output_processor.output(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (a no-op otherwise, and when called twice)."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

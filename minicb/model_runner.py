@@ -79,11 +79,14 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(config.seed)
         self.graph_runner = None  # a DecodeGraphRunner when CUDA graphs are enabled
+        self.tp = None  # parallel.TensorParallel with tensor_parallel_size > 1: workers mirror every step
         self.last_graph_bucket: int | None = None
 
     def prepare_inputs(self, out: SchedulerOutput):
         """(input_ids, positions, meta, sample_rows): everything the forward pass needs."""
-        h = host_inputs(out, self.config.block_size)
+        return self.inputs_from_host(host_inputs(out, self.config.block_size))
+
+    def inputs_from_host(self, h: HostInputs):
         meta = AttentionMetadata.build(h.block_tables, h.context_lens, h.query_lens, h.num_decodes,
                                        self.config.block_size, self.kv_cache.sink_block_id, self.device)
         if self.device.type == "cpu" and h.num_decodes:  # eager CPU: decode rows grouped by length, once a step
@@ -103,6 +106,8 @@ class ModelRunner:
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         self.last_graph_bucket = None
         result, rows = ModelRunnerOutput(), out.scheduled
+        if self.tp is not None:  # every worker does the same block copies and forward on its shard
+            self.tp.step(out, host_inputs(out, self.config.block_size) if rows else None)
         if not rows:
             return result
         if self.graph_runner is not None and self.graph_runner.can_run(out):  # decode-only, fits a bucket

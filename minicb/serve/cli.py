@@ -53,6 +53,7 @@ def add_engine_arguments(parser, max_num_seqs: int = 32) -> None:
                         help="what the KV cache stores: auto (the model's dtype) or fp8 (twice bfloat16's blocks)")
     parser.add_argument("--calculate-kv-scales", action="store_true", help="fp8: scales from the first forward's amax")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="split every layer over N processes")
     parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                         help="fcfs, priority (a request's lowest 'priority' value first) or sjf")
     parser.add_argument("--batching", default="continuous", choices=BATCHING_MODES)
@@ -70,7 +71,7 @@ def engine_config(args, model: str | None = None):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype,
-                        calculate_kv_scales=args.calculate_kv_scales,
+                        calculate_kv_scales=args.calculate_kv_scales, tensor_parallel_size=args.tensor_parallel_size,
                         max_model_len=args.max_model_len, scheduling_policy=args.scheduling_policy,
                         batching=args.batching, preemption_mode=args.preemption_mode,
                         enable_prefix_caching=args.enable_prefix_caching, use_cuda_graph=graphs)
