@@ -109,3 +109,22 @@ def test_a_worker_that_raises_leaves_no_process_group_behind(loaded):
     llm.engine.shutdown()  # twice is fine
     with pytest.raises(RuntimeError, match="shut down"):
         tp.send(("step", [], [], [], None))
+
+
+def test_the_split_and_ring_figures_draw():
+    from minicb.viz.parallel import ring_bytes, tp_split
+
+    fig = tp_split(576, 9, 3, 64, 1536, 3)
+    assert len(fig.axes[0].patches) == 3 * 3 + 3 + 2 * 3 + 3 + 3  # qkv, o, gate_up, down, the legend
+    assert ring_bytes([2, 4, 8]).axes[0].lines[0].get_ydata().tolist() == [1.0, 1.5, 1.75]
+
+
+def test_an_fp8_cache_splits_too(loaded):
+    # Scale 1.0 on every rank is scale 1.0 for every head: the same bytes as one process would store.
+    one = LLM.from_loaded(loaded, kv_cache_dtype="fp8", **TIGHT)
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    two = LLM.from_loaded(loaded, tensor_parallel_size=2, kv_cache_dtype="fp8", **TIGHT)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
+    finally:
+        two.engine.shutdown()
