@@ -148,7 +148,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta, quant=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, quant)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, quant=quant)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -218,7 +218,7 @@ class CausalLM(nn.Module):
         # (num_tokens, 1, head_dim): looked up once, shared by every head of every layer
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         for layer, k_cache, v_cache, quant in zip(self.layers, kv_cache.k_caches, kv_cache.v_caches, kv_cache.quant):
-            h = layer(h, cos, sin, k_cache, v_cache, meta, quant)
+            h = layer(h, cos, sin, k_cache, v_cache, meta, quant=quant)
         return self.norm(h)
 
     def compute_logits(self, hidden) -> torch.Tensor:
