@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from minicb import Engine, EngineConfig
+from minicb import LLM, Engine, EngineConfig, SamplingParams
 from minicb.loader import load_model, save_tiny_model
 from minicb.serve.app import build_app
 from minicb.serve.cli import ServerThread
@@ -222,3 +222,26 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_the_core_process_runs_tensor_parallel_workers(model_dir):
+    # The core starts its own worker processes (it must not be daemonic for that) and stops them at shutdown.
+    prompts, params = [[5, 6, 7], [9, 8, 7, 6, 5]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM.from_loaded(load_model(model_dir, torch.float64),
+                                                               **_llm_fields()).generate(prompts, params, use_tqdm=False)]
+    remote = RemoteEngine(config(model_dir, tensor_parallel_size=2), core_threads=1)
+    try:
+        got = {}
+        for i, p in enumerate(prompts):
+            remote.add_request(p, params, request_id=str(i))
+        while remote.has_unfinished_requests():
+            for out in remote.step():
+                got[out.request_id] = out.outputs[0].token_ids
+        assert [got["0"], got["1"]] == expected
+    finally:
+        remote.shutdown()
+    assert not remote.process.is_alive()
+
+
+def _llm_fields():
+    return {k: v for k, v in vars(config("x")).items() if k not in ("model",)}

@@ -33,8 +33,9 @@ class RemoteEngine:
         """`core_threads`: torch's intra-op threads in the core (default: torch's own, one per core)."""
         ctx = mp.get_context("spawn")  # a fresh interpreter: no threads, locks or torch state inherited
         self._conn, child = ctx.Pipe()
+        # A daemonic process may start no children: with tensor parallelism the core starts its workers.
         self.process = ctx.Process(target=run_engine_core, args=(child, config, core_threads), name="minicb-engine-core",
-                                   daemon=True)
+                                   daemon=config.tensor_parallel_size == 1)
         self.process.start()
         child.close()  # the core holds its end; if it dies, recv() here raises EOFError
         if not self._conn.poll(startup_timeout_s):
@@ -198,6 +199,8 @@ def run_engine_core(conn, config: EngineConfig, threads: int | None = None) -> N
         return
     except Exception as e:  # a bug in the loop: tell the API process, which fails what is in flight
         conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        engine.shutdown()  # the tensor-parallel workers, if any
 
 
 def _handle(engine, kind: str, args) -> None:
