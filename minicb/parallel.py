@@ -31,6 +31,7 @@ tested in CI). KV heads are never replicated: N must divide num_key_value_heads 
 them when N is a multiple), and CUDA graphs are refused with N > 1.
 """
 
+import atexit
 import copy
 import dataclasses
 import datetime
@@ -160,6 +161,7 @@ class TensorParallel:
         dist.init_process_group(self.backend, init_method=init, rank=0, world_size=self.n, timeout=TIMEOUT)
         self.model, self.hf_config = build_shard(loaded, config, 0, self.log)
         self.closed = False
+        atexit.register(self.shutdown)  # a script that never calls Engine.shutdown() still stops its workers
 
     def send(self, message) -> None:
         """Broadcast one message to every worker (rank 0 is the source)."""
