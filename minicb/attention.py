@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import cdiv
+from .paged_flash import flash_pages_attention
 from .ragged_attention import grouped_decode_attention
 
 
@@ -51,6 +52,7 @@ class AttentionMetadata:
     query_start_loc_host: list[int]  # host copies: the prefill loop never waits for the device
     context_lens_host: list[int]
     decode_groups: object = None  # eager CPU steps: the decode rows grouped by length (ragged_attention.py)
+    pages: object = None  # CUDA: the decode rows' (row, block) pairs, read in place (paged_flash.py)
 
     @property
     def num_seqs(self) -> int:
@@ -206,7 +208,9 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, s
     parts = []
     if nd > 0:
         tables, lens = meta.block_tables[:nd], meta.context_lens[:nd]
-        if meta.decode_groups is not None and sliding_window is None:
+        if meta.pages is not None:  # no gather: flash attention per (row, block) pair, then combine
+            parts.append(flash_pages_attention(q[:nd], k_cache, v_cache, meta.pages, scale))
+        elif meta.decode_groups is not None and sliding_window is None:
             parts.append(grouped_decode_attention(q[:nd], k_cache, v_cache, meta.decode_groups, scale, quant))
         else:
             parts.append(decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale, sliding_window, quant))

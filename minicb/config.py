@@ -13,6 +13,7 @@ BATCHING_MODES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")  # vLLM has the first two; "sjf" is minicb's
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "gather", "flash_pages")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")  # kv_quant.CACHE_DTYPES
 
 
@@ -28,11 +29,14 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda"
 
     # --- paged KV memory ---
-    block_size: int = 16  # tokens per KV block: small blocks waste less, large ones gather faster
+    # Tokens per KV block; None: 16 on CPU (small blocks waste little), 256 on CUDA, where decode reads each
+    # block in place as one flash-attention problem and small blocks make tiny ones (paged_flash.py)
+    block_size: int | None = None
     num_blocks: int | None = None  # KV blocks on the device; None: derived from kv_cache_memory_bytes
-    # Memory budget of the KV cache (vLLM's name). None: 512 MiB on every device, which a laptop CPU can
-    # spare; on a GPU set it (vLLM sizes it from free memory with gpu_memory_utilization, which minicb lacks).
+    # Memory budget of the KV cache (vLLM's name). None: 512 MiB on CPU, which a laptop can spare; on CUDA
+    # what gpu_memory_utilization leaves after the weights, activations and graphs, measured (memory.py)
     kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU's memory this engine fills (vLLM's default)
     # What the cache stores (vLLM's names): "auto" the model's dtype (exact); "bfloat16"/"float16" half of
     # float32; "fp8" (= "fp8_e4m3") one byte a value, twice the blocks of bfloat16, some rounding error
     kv_cache_dtype: str = "auto"
@@ -42,8 +46,10 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output limit; None: the model's (or unlimited in sim)
 
     # --- scheduling ---
-    max_num_seqs: int = 64  # batch slots: requests running at once (the batch size of a decode step)
-    max_num_batched_tokens: int = 256  # token budget of one step (decodes + prefill chunks)
+    # Batch slots, requests running at once (a decode step's batch size); None: 64 on CPU, 256 on CUDA
+    max_num_seqs: int | None = None
+    # Token budget of one step (decodes + prefill chunks); None: 256 on CPU, 8192 on CUDA (whose matmuls fill up later)
+    max_num_batched_tokens: int | None = None
     # "static" (minicb only, to compare against): admit a batch, wait until all of it has finished
     batching: str = "continuous"
     # Admission order, vLLM's names: "fcfs" (first come, first served) or "priority" (the LOWEST
@@ -55,6 +61,9 @@ class EngineConfig:
 
     # --- execution ---
     use_cuda_graph: bool | str = "auto"  # decode through graphs: True, False, or "auto" (CUDA only)
+    # Decode attention: "gather" copies each row's blocks and masks (attention.py, the reference), "flash_pages"
+    # reads them in place (paged_flash.py; CPU: a slow reference kernel), "auto": flash_pages on CUDA where it runs
+    attention_backend: str = "auto"
     # float32 on CPU: "auto" times oneDNN's packed weights against torch.matmul on each linear shape once
     # per machine and keeps the faster (which one wins differs: AVX-512 vs AVX2); True packs all, False none
     prepack_cpu_weights: bool | str = "auto"
@@ -65,6 +74,11 @@ class EngineConfig:
     record_trace: bool = True  # keep one StepRecord per step (notebooks); servers may turn it off
 
     def __post_init__(self):
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        for name, cpu, cuda in (("block_size", 16, 256), ("max_num_seqs", 64, 256), ("max_num_batched_tokens", 256, 8192)):
+            if getattr(self, name) is None:  # the device's default (frozen: set it the dataclass way)
+                object.__setattr__(self, name, cuda if self.device.startswith("cuda") else cpu)
         def positive(name, allow_none=False):
             value = getattr(self, name)
             if value is None and allow_none:
@@ -87,6 +101,7 @@ class EngineConfig:
             ("preemption_mode", PREEMPTION_MODES),
             ("dtype", DTYPES),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("attention_backend", ATTENTION_BACKENDS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {allowed}")
@@ -98,8 +113,8 @@ class EngineConfig:
             raise ValueError("CUDA graphs are not supported with tensor_parallel_size > 1: use use_cuda_graph=False")
         if self.prepack_cpu_weights not in (True, False, "auto"):
             raise ValueError(f"prepack_cpu_weights must be True, False or 'auto', got {self.prepack_cpu_weights!r}")
-        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
     @property
     def max_blocks_per_seq(self) -> int | None:

@@ -13,8 +13,10 @@ import time
 import torch
 
 from .config import EngineConfig
-from .kv_cache import KVCache, kv_bytes_per_token
+from .kv_cache import KVCache
 from .kv_quant import cache_dtype_of
+from .memory import DEFAULT_KV_CACHE_BYTES, gpu_baseline, largest_graph, profile_kv_cache, resolve_config  # noqa: F401
+from .paged_flash import choose_attention_backend
 from .loader import LoadedModel, cache_dir, load_model
 from .cpu_kernels import prepare_cpu_linears
 from .model import CausalLM
@@ -29,24 +31,6 @@ from .trace import Trace
 
 log = logging.getLogger("minicb.engine")
 
-DEFAULT_KV_CACHE_BYTES = 512 * 2**20  # 512 MiB: ~11k tokens of SmolLM2-135M in float32
-
-
-def resolve_config(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
-    """Fill in what depends on the model: max_model_len and num_blocks (from a byte budget)."""
-    max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
-    num_blocks = config.num_blocks
-    if num_blocks is None:
-        cache_dtype = cache_dtype_of(config.kv_cache_dtype, getattr(torch, config.dtype))  # fp8: 1 byte a value
-        # with tensor parallelism each rank caches its own KV heads: 1/N of the bytes, so N times the blocks
-        per_block = kv_bytes_per_token(loaded.hf_config, cache_dtype) * config.block_size // config.tensor_parallel_size
-        num_blocks = (config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES) // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV block "
-                             f"({per_block} bytes for block_size={config.block_size})")
-    return config.replace(max_model_len=max_len, num_blocks=num_blocks)
-
-
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         dtype = getattr(torch, config.dtype)
@@ -57,26 +41,37 @@ class Engine:
         self.vocab_size = loaded.vocab_size
         self.model_name = loaded.name
         self.tp = None  # with tensor_parallel_size N > 1: rank 0's shard here, N - 1 worker processes (parallel.py)
+        cuda, on_device = torch.device(config.device).type == "cuda", config.num_blocks is None
+        before = gpu_baseline(config) if on_device else 0  # the KV cache gets what the GPU has left (memory.py)
         if config.tensor_parallel_size > 1:
             from .parallel import TensorParallel
 
             self.tp = TensorParallel(loaded, config)
         model = self.tp.model if self.tp else CausalLM.from_hf(loaded.hf_config, loaded.state_dict, dtype, config.device)
         self.cpu_kernels = {}  # linear shape -> the kernel it runs on (float32 on CPU), see cpu_kernels.py
-        if config.prepack_cpu_weights and dtype == torch.float32 and torch.device(config.device).type == "cpu":
+        if config.prepack_cpu_weights and dtype == torch.float32 and not cuda:
             model, self.cpu_kernels = prepare_cpu_linears(model, config.prepack_cpu_weights,
                                                             cache_dir() / "cpu_kernels.json")
-        self.kv_cache = KVCache(self.tp.hf_config if self.tp else loaded.hf_config, config.num_blocks, config.block_size, dtype, config.device,
-                                config.num_swap_blocks, cache_dtype_of(config.kv_cache_dtype, dtype))
+        hf_config, cache_dtype = self.tp.hf_config if self.tp else loaded.hf_config, cache_dtype_of(config.kv_cache_dtype, dtype)
+        backend = choose_attention_backend(config, hf_config, cache_dtype != dtype)
+        use_graph = config.use_cuda_graph is True or (config.use_cuda_graph == "auto" and cuda and not self.tp)
+        self.memory = None  # a MemoryProfile when the cache is sized from the GPU
+        if on_device:
+            self.memory = profile_kv_cache(config, hf_config, model, torch.cuda.memory_allocated(config.device) - before,
+                                           largest_graph(config) if use_graph else None, backend == "flash_pages")
+            self.config = config = config.replace(num_blocks=self.memory.num_blocks)
+        self.kv_cache = KVCache(hf_config, config.num_blocks, config.block_size, dtype, config.device,
+                                config.num_swap_blocks, cache_dtype)
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, self.kv_cache, config, config.device)
-        self.runner.tp = self.tp
-        use_graph = config.use_cuda_graph is True or (
-            config.use_cuda_graph == "auto" and torch.device(config.device).type == "cuda" and not self.tp)
+        self.runner.tp, self.runner.attention_backend = self.tp, backend
         if use_graph:
             from .cuda_graph import DecodeGraphRunner
 
+            reserved = torch.cuda.memory_reserved(config.device) if cuda else 0
             self.runner.graph_runner = DecodeGraphRunner(self.runner)
+            if self.memory is not None:  # the graphs' pool as captured, beside the estimate it was sized with
+                self.memory.graphs_captured = torch.cuda.memory_reserved(config.device) - reserved
         for quant in self.kv_cache.quant if config.calculate_kv_scales else []:  # after capture: not in a graph
             quant.calibrate = True  # fp8: the first forward pass sets each layer's scales (kv_quant.py)
         self.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
@@ -171,7 +166,8 @@ class Engine:
                 self._fail(req.request_id, f"{type(e).__name__}: {e}")
         finished = self.scheduler.take_finished()
         if self.config.record_trace:
-            self.trace.record(self.scheduler, out, finished, self.runner.last_graph_bucket, now - t0)
+            self.trace.record(self.scheduler, out, finished, self.runner.last_graph_bucket, now - t0,
+                              self.runner.last_graph_width)
         return self.output_processor.make_outputs(touched, finished)
 
     def _stop(self, req: Request, stop_string: str) -> None:

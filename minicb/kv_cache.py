@@ -66,6 +66,7 @@ class KVCache:
         self.num_cpu_blocks = num_cpu_blocks
         self.sink_block_id = num_blocks  # the extra block at the end
         self.sink_loc = self.sink_block_id * block_size  # the sink's first cache location
+        self.num_locations = (num_blocks + 1) * block_size  # rows of the flat (locations, kv_heads, head_dim) view
 
         # One tensor for all layers, so that swapping a set of blocks is one
         # index_select over dim 1 instead of a loop over layers.

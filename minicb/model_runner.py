@@ -25,6 +25,7 @@ from .request import Request
 from .scheduler import SchedulerOutput
 from .logprobs import gather_logprobs, logprobs, prompt_logprobs
 from .penalties import process_logits
+from .paged_flash import page_pairs
 from .ragged_attention import decode_groups
 from .sampler import Sampler
 
@@ -80,7 +81,8 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.graph_runner = None  # a DecodeGraphRunner when CUDA graphs are enabled
         self.tp = None  # parallel.TensorParallel with tensor_parallel_size > 1: workers mirror every step
-        self.last_graph_bucket: int | None = None
+        self.attention_backend = "gather"  # or "flash_pages": the engine picks (config.attention_backend)
+        self.last_graph_bucket = self.last_graph_width = None  # rows and table columns of the last graph replayed
 
     def prepare_inputs(self, out: SchedulerOutput):
         """(input_ids, positions, meta, sample_rows): everything the forward pass needs."""
@@ -89,7 +91,10 @@ class ModelRunner:
     def inputs_from_host(self, h: HostInputs):
         meta = AttentionMetadata.build(h.block_tables, h.context_lens, h.query_lens, h.num_decodes,
                                        self.config.block_size, self.kv_cache.sink_block_id, self.device)
-        if self.device.type == "cpu" and h.num_decodes:  # eager CPU: decode rows grouped by length, once a step
+        if self.attention_backend == "flash_pages" and h.num_decodes:  # decode reads the pages in place
+            meta.pages = page_pairs(meta.block_tables[:h.num_decodes], meta.context_lens[:h.num_decodes],
+                                    self.config.block_size, self.kv_cache.num_locations)
+        elif self.device.type == "cpu" and h.num_decodes:  # eager CPU: decode rows grouped by length, once a step
             meta.decode_groups = decode_groups(h.block_tables[:h.num_decodes], h.context_lens[:h.num_decodes],
                                                self.config.block_size, self.kv_cache.sink_block_id,
                                                self.kv_cache.dtype, self.device)
@@ -104,7 +109,7 @@ class ModelRunner:
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.copy_blocks(out.blocks_to_copy)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
-        self.last_graph_bucket = None
+        self.last_graph_bucket = self.last_graph_width = None
         result, rows = ModelRunnerOutput(), out.scheduled
         if self.tp is not None:  # every worker does the same block copies and forward on its shard
             self.tp.step(out, host_inputs(out, self.config.block_size) if rows else None)
@@ -112,7 +117,7 @@ class ModelRunner:
             return result
         if self.graph_runner is not None and self.graph_runner.can_run(out):  # decode-only, fits a bucket
             logits = self.graph_runner.run(out)  # (num_rows, vocab), every row samples
-            self.last_graph_bucket = self.graph_runner.last_bucket
+            self.last_graph_bucket, self.last_graph_width = self.graph_runner.last_bucket, self.graph_runner.last_width
             sample_rows = list(range(len(rows)))
         else:
             input_ids, positions, meta, sample_rows = self.prepare_inputs(out)

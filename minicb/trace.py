@@ -38,6 +38,7 @@ class StepRecord:
     swapped_in: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # includes aborted requests
     graph_bucket: int | None = None  # batch bucket of the CUDA graph that ran; None when eager
+    graph_width: int | None = None  # and the block-table columns it read (its width bucket)
     duration: float | None = None  # wall-clock seconds of the step (real engine only)
 
     @property
@@ -68,7 +69,7 @@ class Trace:
         self.steps: list[StepRecord] = []
 
     def record(self, scheduler, out, finished: list, graph_bucket: int | None = None,
-               duration: float | None = None) -> StepRecord:
+               duration: float | None = None, graph_width: int | None = None) -> StepRecord:
         """Append the record of step `out.step`; call it after `scheduler.update`."""
         bm = scheduler.block_manager
         rows, tables, frag = [], {}, 0
@@ -88,6 +89,7 @@ class Trace:
             fragmentation=frag, admitted=list(out.admitted), preempted=list(out.preempted),
             swapped_out=list(out.swapped_out), swapped_in=list(out.swapped_in),
             finished=[r.request_id for r in finished], graph_bucket=graph_bucket, duration=duration,
+            graph_width=graph_width,
         )
         self.steps.append(rec)
         if self.max_steps is not None and len(self.steps) > self.max_steps:

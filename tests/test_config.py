@@ -24,10 +24,25 @@ def test_defaults_are_valid_and_frozen():
 
 
 @pytest.mark.parametrize("field", ["block_size", "max_num_seqs", "max_num_batched_tokens"])
-@pytest.mark.parametrize("value", [0, -1, 2.0, "16", None, True])
+@pytest.mark.parametrize("value", [0, -1, 2.0, "16", True])
 def test_required_positive_ints(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_device_defaults():
+    """None takes the device's default: a CPU's matmuls fill up at hundreds of tokens, a GPU's at thousands,
+    and on CUDA decode reads each 256-token block in place (paged_flash.py)."""
+    cpu, gpu = EngineConfig(), EngineConfig(device="cuda")
+    assert (cpu.block_size, cpu.max_num_seqs, cpu.max_num_batched_tokens) == (16, 64, 256)
+    assert (gpu.block_size, gpu.max_num_seqs, gpu.max_num_batched_tokens) == (256, 256, 8192)
+    assert EngineConfig(device="cuda", block_size=16).block_size == 16  # a value given is kept
+    assert (gpu.gpu_memory_utilization, gpu.attention_backend) == (0.9, "auto")
+    for bad in (0, 1.5, -0.1, "0.9"):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            EngineConfig(gpu_memory_utilization=bad)
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flashinfer")
 
 
 @pytest.mark.parametrize("field", ["num_blocks", "kv_cache_memory_bytes", "max_model_len"])

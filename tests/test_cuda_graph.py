@@ -14,7 +14,7 @@ import torch
 
 import minicb.model
 from minicb import LLM, SamplingParams
-from minicb.cuda_graph import DecodeGraphRunner, NoHostReads, batch_buckets
+from minicb.cuda_graph import DecodeGraphRunner, NoHostReads, batch_buckets, width_buckets
 from minicb.loader import load_model, make_tiny_model, save_tiny_model
 from reference import greedy_reference
 from minicb.request import Request
@@ -36,7 +36,7 @@ def loaded(tmp_path_factory):
 def make_runner(loaded, **config):
     """A ModelRunner without graphs and a DecodeGraphRunner over it, KV cache filled with noise
     so that attention results depend on every block table and context length."""
-    llm = LLM.from_loaded(loaded, dtype="float64", use_cuda_graph=False, **config)
+    llm = LLM.from_loaded(loaded, **{"dtype": "float64", **config, "use_cuda_graph": False})
     runner = llm.engine.runner
     generator = torch.Generator(runner.device).manual_seed(0)
     runner.kv_cache.k.normal_(generator=generator)
@@ -69,8 +69,8 @@ def graph_and_eager_logits(runner, graphs, out):
     return graphs.run(out).clone(), eager
 
 
-def assert_replays_match_eager(runner, graphs, max_len):
-    """Replay every bucket with new contents (sizes, contexts, tables) and compare with eager mode.
+def assert_replays_match_eager(runner, graphs, max_len, atol=1e-10):
+    """Replay every batch bucket with new contents (sizes, contexts, tables) and compare with eager mode.
     The cache needs 16 * ceil(max_len / block_size) blocks."""
     bs, r = runner.config.block_size, random.Random(1)
     for size in [1, 2, 3, 4, 5, 8, 11, 16, 9]:  # 3 and 4 share a bucket, so do 11, 16 and 9
@@ -78,7 +78,7 @@ def assert_replays_match_eager(runner, graphs, max_len):
         graph, eager = graph_and_eager_logits(runner, graphs, out)
         assert graphs.last_bucket == graphs.bucket_for(size)
         assert graph.shape == eager.shape == (size, 128)
-        torch.testing.assert_close(graph, eager, rtol=0, atol=1e-10)
+        torch.testing.assert_close(graph, eager, rtol=0, atol=atol)
 
 
 # ---------------------------------------------------------------------------------- buckets
@@ -92,10 +92,20 @@ def test_buckets():
         batch_buckets(0)
 
 
+def test_width_buckets():
+    assert width_buckets(1) == [1]
+    assert width_buckets(8) == [1, 2, 4, 8]
+    assert width_buckets(160) == [1, 2, 4, 8, 16, 32, 64, 128, 160]  # Qwen3's 40,960 tokens in blocks of 256
+    for n in range(1, 300):  # a step needing w columns gets a graph of fewer than 2w: never 2x the reads
+        ws = width_buckets(n)
+        assert ws[-1] == n and all(min(x for x in ws if x >= w) < 2 * w for w in range(1, n + 1)), (n, ws)
+
+
 def test_capture_order_buffers_and_routing(loaded):
     runner, graphs = make_runner(loaded, block_size=4, num_blocks=100, max_num_seqs=20, max_model_len=30)
     assert graphs.buckets == [1, 2, 4, 8, 16, 20]
-    assert list(graphs.graphs) == [20, 16, 8, 4, 2, 1], "the largest bucket must be captured first"
+    assert list(graphs.graphs)[:5] == [(20, 8), (20, 4), (20, 2), (20, 1), (16, 8)], "largest graphs first"
+    assert sorted(graphs.graphs) == [(b, w) for b in graphs.buckets for w in (1, 2, 4, 8)]
     assert graphs.block_tables.shape == (20, 8)  # ceil(max_model_len 30 / block_size 4) columns
     assert graphs.input_ids.shape == graphs.context_lens.shape == graphs.cache_locs.shape == (20,)
     assert graphs.model is runner.model and graphs.kv_cache is runner.kv_cache  # shared, not copied
@@ -114,7 +124,36 @@ def test_capture_order_buffers_and_routing(loaded):
 def test_every_bucket_is_captured_once(loaded):
     _, graphs = make_runner(loaded, block_size=16, num_blocks=64, max_num_seqs=64)
     assert graphs.buckets == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert sorted(graphs.graphs) == graphs.buckets and graphs.capture_seconds > 0  # timing belongs in benchmarks
+    assert sorted({b for b, _ in graphs.graphs}) == graphs.buckets and graphs.capture_seconds > 0
+
+
+def test_gather_width_follows_the_context_not_max_model_len(loaded):
+    """The regression of the first H100 run: graphs as wide as max_model_len made every step read the whole
+    context width. Short contexts under a long max_model_len must replay a narrow graph."""
+    runner, graphs = make_runner(loaded, block_size=4, num_blocks=256, max_num_seqs=8, max_model_len=256)
+    assert graphs.max_blocks == 64 and graphs.widths[8] == [1, 2, 4, 8, 16, 32, 64]
+    for lens in ([3], [5, 9, 2], [17, 1, 30, 4], [33] * 8, [200, 3]):
+        out = decode_batch(lens, 4, 256, seed=len(lens))
+        graph, eager = graph_and_eager_logits(runner, graphs, out)
+        needed = max(-(-n // 4) for n in lens)
+        assert needed <= graphs.last_width < 2 * needed, (lens, graphs.last_width)
+        assert graphs.last_bucket == graphs.bucket_for(len(lens))
+        torch.testing.assert_close(graph, eager, rtol=0, atol=1e-10)
+
+
+def test_graph_shapes_obey_the_token_budget(loaded):
+    """No graph attends more than max_graph_tokens (rows x columns x block_size); a step that needs more
+    columns than its bucket's widest graph runs eagerly, never through a narrower graph that would cut it."""
+    runner = make_runner(loaded, block_size=4, num_blocks=256, max_num_seqs=16, max_model_len=256)[0]
+    graphs = DecodeGraphRunner(runner, max_graph_tokens=16 * 4 * 4)
+    assert all(b * w * 4 <= 256 or w == 1 for b, w in graphs.graphs)
+    assert graphs.widths[16] == [1, 2, 4] and graphs.widths[1] == [1, 2, 4, 8, 16, 32, 64]
+    assert graphs.graph_for(16, 4) == (16, 4) and graphs.graph_for(16, 5) is None
+    assert graphs.graph_for(3, 9) == (4, 16) and graphs.graph_for(1, 64) == (1, 64)
+    wide = decode_batch([30] + [3] * 15, 4, 256)  # 16 rows, one of 8 blocks: past the 16-row bucket's widest
+    assert not graphs.can_run(wide)
+    with pytest.raises(ValueError, match="eagerly"):
+        graphs.run(wide)
 
 
 # ---------------------------------------------------------------------------------- graph safety
