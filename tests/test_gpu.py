@@ -5,15 +5,19 @@ test_cuda_graph.py covers everything but the capture call itself. Run with `pyte
 The full W2 workload also needs Qwen3-0.6B (the local HF cache, or MINICB_W2_MODEL=/path) and `-m "gpu and slow"`.
 """
 
-import os
-
 import pytest
 import torch
 
-from minicb.bench.w2 import W2_MODEL, decode_latency_by_bucket, run_w2
+from minicb.attention import decode_attention
+from minicb.bench.w2 import decode_latency_by_bucket, random_model, run_w2
+from minicb.llm import LLM
 from minicb.loader import load_model, make_tiny_model, save_tiny_model
+from minicb.paged_flash import flash_pages_attention, page_pairs, pairs_attention_reference
+from minicb.sampling_params import SamplingParams
 from test_cuda_graph import (MAX_TOKENS, PROMPTS, assert_replays_match_eager, check_graph_buckets,
                              check_padded_rows_write_only_the_sink, generate, make_runner)
+
+from test_ragged_attention import ragged_batch
 
 NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
@@ -70,23 +74,69 @@ def test_w2_runner_on_a_tiny_model(tiny):
         assert (r["graph_steps"] > 0) == use_graph, r
 
 
-def w2_model() -> str | None:
-    if os.environ.get("MINICB_W2_MODEL"):
-        return os.environ["MINICB_W2_MODEL"]
-    from huggingface_hub import try_to_load_from_cache
+@pytest.mark.parametrize("block_size, kv_heads, group", [(16, 2, 4), (256, 8, 2), (64, 4, 1)])
+def test_flash_pages_kernel_matches_the_reference(block_size, kv_heads, group):
+    """The CUDA flash kernel over (row, block) pairs against the plain-PyTorch reference and the padded gather."""
+    q, k, v, tables, lens, sink = ragged_batch(0, 37, block_size, kv_heads, group, max_blocks=6)
+    k[sink], v[sink] = 0.0, 0.0
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q, k, v = q.to(**bf), k.to(**bf), v.to(**bf)
+    padded = torch.tensor([t + [sink] * (7 - len(t)) for t in tables], device="cuda")
+    ctx = torch.tensor(lens, device="cuda")
+    pairs = page_pairs(padded, ctx, block_size, k.shape[0] * block_size)
+    assert pairs.kernel.__name__ == "pairs_attention_flash"
+    got = flash_pages_attention(q, k, v, pairs, 0.125)
+    expected = decode_attention(q, k, v, padded, ctx, 0.125)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    pairs.kernel = pairs_attention_reference
+    torch.testing.assert_close(got.float(), flash_pages_attention(q, k, v, pairs, 0.125).float(), rtol=2e-2, atol=2e-2)
 
-    return W2_MODEL if isinstance(try_to_load_from_cache(W2_MODEL, "config.json"), str) else None
+
+def test_real_graphs_with_flash_pages_match_eager(tiny):
+    path, _, _ = tiny
+    loaded = load_model(path, dtype=torch.bfloat16)
+    runner, graphs = make_runner(loaded, device="cuda", dtype="bfloat16", block_size=16, num_blocks=256,
+                                 max_num_seqs=16, max_model_len=200, attention_backend="flash_pages")
+    assert graphs.pages and not graphs.emulated
+    assert_replays_match_eager(runner, graphs, 200, atol=3e-2)
+
+
+def test_defaults_on_cuda_size_the_cache_from_the_gpu(tiny):
+    path, _, _ = tiny
+    loaded = load_model(path, dtype=torch.bfloat16)
+    a = LLM.from_loaded(loaded, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    ea = a.engine
+    assert ea.runner.attention_backend == "flash_pages" and ea.config.block_size == 256
+    assert ea.memory is not None and ea.memory.num_blocks == ea.config.num_blocks > 0
+    total = torch.cuda.mem_get_info()[1]
+    assert 0.25 * total < ea.kv_cache.num_bytes <= 0.3 * total, ea.memory
+    print("\n", ea.memory, ea.runner.graph_runner)
+    # A second engine beside the first gets the same cache: its budget counts only its own memory.
+    b = LLM.from_loaded(loaded, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    assert abs(b.engine.config.num_blocks - ea.config.num_blocks) <= 0.01 * ea.config.num_blocks
+    with pytest.raises(ValueError, match="free"):  # 0.6 of the GPU is taken: 0.9 cannot be had
+        LLM.from_loaded(loaded, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="weights"):
+        LLM.from_loaded(loaded, device="cuda", dtype="bfloat16", gpu_memory_utilization=1e-9)
+    # Flash pages and the padded gather agree on greedy tokens (bfloat16: nearly always)
+    prompts = [p for p in PROMPTS[:8]]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * len(prompts)
+    pages = [o.outputs[0].token_ids for o in a.generate(prompts, params, use_tqdm=False)]
+    del a, b, ea
+    gather = LLM.from_loaded(loaded, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
+                             attention_backend="gather")
+    ref = [o.outputs[0].token_ids for o in gather.generate(prompts, params, use_tqdm=False)]
+    same = sum(x == y for p, r in zip(pages, ref) for x, y in zip(p, r))
+    assert same >= 0.9 * sum(map(len, ref)), (pages, ref)
 
 
 @pytest.mark.slow
-def test_w2_qwen3_with_and_without_graphs():
-    model = w2_model()
-    if model is None:
-        pytest.skip(f"{W2_MODEL} is not in the local HF cache; set MINICB_W2_MODEL=/path/to/Qwen3-0.6B")
-    loaded = load_model(model, torch.bfloat16)
-    eager = run_w2(use_cuda_graph=False, loaded=loaded)
-    graph = run_w2(use_cuda_graph=True, loaded=loaded)
+def test_w2_random_qwen3_graphs_beat_eager():
+    loaded = random_model("random:qwen3-0.6b", torch.bfloat16)
+    graph = run_w2(loaded=loaded)
+    eager = run_w2(loaded=loaded, use_cuda_graph=False, num_blocks=graph["num_blocks"])
     e, g = eager["output_tokens_per_s"], graph["output_tokens_per_s"]
     print(f"\nW2 on {graph['device']}: eager {e:.0f} tok/s, CUDA graphs {g:.0f} tok/s (x{g / e:.2f})")
     assert eager["output_tokens"] == graph["output_tokens"]  # EOS ignored: the workload's exact lengths
     assert graph["graph_steps"] > graph["steps"] // 2, "most W2 steps should be decode-only graph replays"
+    assert g > e

@@ -1,21 +1,23 @@
-"""GPU benchmarks for CUDA-graph decode: step latency per bucket, and workload W2.
+"""GPU benchmarks: workload W2 against transformers, decode step latency per graph, decode attention alone.
 
-decode_latency_by_bucket: one decode step (input copy + forward + sampling) for each batch
-bucket, eager vs replayed from a CUDA graph. Small batches are launch-bound, so graphs should
-win most there; large batches are compute-bound and the two converge.
+run_w2: the nano-vllm / vLLM offline workload (defined in minicb/bench/__init__.py): 256 requests,
+prompt and output lengths uniform in 100..1024, random token ids, EOS ignored, Qwen3-0.6B; throughput
+counts output tokens only. No hub is needed: `--model random:qwen3-0.6b` builds the model from its
+config with random weights (throughput does not depend on the weights' values).
 
-run_w2: the nano-vllm / vLLM offline workload (defined in minicb/bench/__init__.py):
-256 requests, prompt and output lengths uniform in 100..1024, random token ids, EOS ignored,
-Qwen3-0.6B; throughput counts output tokens only. Run it with and without graphs:
+    python -m minicb.bench.w2 --workload w2 --model random:qwen3-0.6b    # the table of the README
+    python -m minicb.bench.w2 --workload latency                         # one decode step per graph
+    python -m minicb.bench.w2 --workload attention                       # one layer's decode attention
 
-    python -m minicb.bench.w2 --workload w2 [--model /path/to/Qwen3-0.6B]
-    python -m minicb.bench.w2 --workload latency
-
-Both need a CUDA GPU and raise RuntimeError without one. Quote ratios, with the GPU's name:
-an absolute tokens/s figure holds only for the machine it was taken on.
+`--workload w2` runs every competitor on a fresh engine, one after the other in one process: minicb
+with its defaults (which size the KV cache from the GPU), then each variant with exactly the blocks the
+defaults got (the engine before is deleted and its memory returned first), then transformers'
+continuous batching on the same prompts. All need a CUDA GPU and raise RuntimeError without one.
+Quote ratios, with the GPU's name: an absolute tokens/s figure holds only for the machine it was taken on.
 """
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -24,13 +26,20 @@ import time
 import torch
 
 from ..llm import LLM
-from ..loader import load_model
+from ..loader import LoadedModel, load_model
 from ..request import Request
 from ..sampling_params import SamplingParams
 from ..scheduler import ScheduledRequest, SchedulerOutput
 
-W2_MODEL = "Qwen/Qwen3-0.6B"  # a hub id (found in the local HF cache) or a local directory
-W2_KV_FRACTION = 0.5  # of the free GPU memory, for the KV cache (graphs and activations need the rest)
+W2_MODEL = "random:qwen3-0.6b"
+# Named configs for random-weight models (the field values of the published config.json files).
+RANDOM_CONFIGS = {
+    "qwen3-0.6b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                       head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+                                       rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
+                                       eos_token_id=151645)),
+}
 
 
 def require_cuda(what: str) -> None:
@@ -39,17 +48,41 @@ def require_cuda(what: str) -> None:
                            f"(torch {torch.__version__}); run it on a machine with an NVIDIA GPU")
 
 
+def random_model(name: str, dtype: torch.dtype, hf_model: bool = False):
+    """A LoadedModel of a named config with random weights (or the transformers model itself)."""
+    import transformers
+
+    key = name.removeprefix("random:")
+    if key not in RANDOM_CONFIGS:
+        raise ValueError(f"unknown random model {name!r}; known: {', '.join('random:' + k for k in RANDOM_CONFIGS)}")
+    class_name, fields = RANDOM_CONFIGS[key]
+    config = getattr(transformers, class_name)(**fields)
+    config.architectures = [class_name.replace("Config", "ForCausalLM")]
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initializing on the GPU takes seconds
+        model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    if hf_model:
+        return model
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    del model
+    return LoadedModel(name=name, hf_config=config, state_dict=state, tokenizer=None, eos_token_ids=frozenset(),
+                       max_model_len=config.max_position_embeddings, vocab_size=config.vocab_size)
+
+
 def _load(model_path, loaded, dtype: str):
-    return loaded if loaded is not None else load_model(model_path or W2_MODEL, getattr(torch, dtype))
+    if loaded is not None:
+        return loaded
+    model_path = model_path or W2_MODEL
+    if model_path.startswith("random:"):
+        return random_model(model_path, getattr(torch, dtype))
+    return load_model(model_path, getattr(torch, dtype))
 
 
-def _kv_budget(loaded, kv_cache_memory_bytes: int | None) -> int:
-    """Bytes for the KV cache: given, or a fraction of free GPU memory minus the weights."""
-    if kv_cache_memory_bytes is not None:
-        return kv_cache_memory_bytes
-    free, _ = torch.cuda.mem_get_info()
-    weights = sum(t.numel() * t.element_size() for t in loaded.state_dict.values())
-    return int(free * W2_KV_FRACTION) - weights
+def free_gpu() -> None:
+    """Return what deleted engines held, so that the next engine measures the same free memory."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def w2_workload(vocab_size: int, num_requests: int = 256, min_len: int = 100, max_len: int = 1024,
@@ -64,19 +97,17 @@ def w2_workload(vocab_size: int, num_requests: int = 256, min_len: int = 100, ma
     return prompts, output_lens
 
 
-def run_w2(model_path: str | None = None, use_cuda_graph: bool = True, *, num_requests: int = 256,
-           min_len: int = 100, max_len: int = 1024, seed: int = 0, dtype: str = "bfloat16",
-           max_num_seqs: int = 256, max_num_batched_tokens: int = 4096, kv_cache_memory_bytes: int | None = None,
-           loaded=None) -> dict:
-    """Workload W2 on CUDA; returns throughput in output tokens/s and what ran how."""
+def run_w2(model_path: str | None = None, *, num_requests: int = 256, min_len: int = 100, max_len: int = 1024,
+           seed: int = 0, dtype: str = "bfloat16", loaded=None, **config) -> dict:
+    """Workload W2 on CUDA on a fresh engine; `config` goes to LLM (nothing: minicb's defaults).
+    Returns throughput in output tokens/s and what ran how."""
     require_cuda("run_w2")
     loaded = _load(model_path, loaded, dtype)
     prompts, output_lens = w2_workload(loaded.vocab_size, num_requests, min_len, max_len, seed)
-    llm = LLM.from_loaded(loaded, device="cuda", dtype=dtype, use_cuda_graph=use_cuda_graph,
-                          max_model_len=2 * max_len,  # fixes the graphs' block-table width: keep it tight
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          kv_cache_memory_bytes=_kv_budget(loaded, kv_cache_memory_bytes),
-                          record_trace=False)  # a trace of ~1000 steps x 256 block tables costs host time
+    free_gpu()
+    t0 = time.perf_counter()
+    llm = LLM.from_loaded(loaded, device="cuda", dtype=dtype, **config)
+    build_seconds = time.perf_counter() - t0
     engine, graph_runner = llm.engine, llm.engine.runner.graph_runner
     # Warm-up outside the timing: CUDA context, cuBLAS handles, the first prefill kernels.
     warmup = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -92,16 +123,47 @@ def run_w2(model_path: str | None = None, use_cuda_graph: bool = True, *, num_re
     seconds = time.perf_counter() - t0
 
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {
+    c = engine.config
+    result = {
         "workload": "W2", "model": loaded.name, "device": torch.cuda.get_device_name(), "dtype": dtype,
-        "use_cuda_graph": use_cuda_graph, "num_requests": num_requests,
+        "config": {k: v for k, v in config.items() if k != "num_blocks"}, "num_requests": num_requests,
         "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens, "seconds": seconds,
         "output_tokens_per_s": output_tokens / seconds,
         "steps": engine.scheduler.step_count - first_step,
         "graph_steps": graph_runner.num_replays - first_replay if graph_runner is not None else 0,
+        "num_graphs": len(graph_runner.graphs) if graph_runner is not None else 0,
         "capture_seconds": graph_runner.capture_seconds if graph_runner is not None else None,
-        "num_blocks": engine.config.num_blocks,
+        "build_seconds": build_seconds, "num_blocks": c.num_blocks, "block_size": c.block_size,
+        "max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
+        "attention_backend": engine.runner.attention_backend,
+        "memory": str(engine.memory) if engine.memory is not None else None,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
+    engine.shutdown()
+    del llm, engine, graph_runner
+    free_gpu()
+    return result
+
+
+def run_hf_continuous_w2(model_path: str | None = None, *, num_requests: int = 256, min_len: int = 100,
+                         max_len: int = 1024, seed: int = 0, dtype: str = "bfloat16") -> dict:
+    """transformers' own continuous batching (init_continuous_batching, paged attention) on the same W2."""
+    from .w1 import run_hf_continuous
+
+    require_cuda("run_hf_continuous_w2")
+    free_gpu()
+    name = model_path or W2_MODEL
+    if name.startswith("random:"):
+        model = random_model(name, getattr(torch, dtype), hf_model=True)
+    else:
+        import transformers
+        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).cuda().eval()
+    prompts, output_lens = w2_workload(model.config.vocab_size, num_requests, min_len, max_len, seed)
+    r = run_hf_continuous(model, prompts, output_lens)
+    del model
+    free_gpu()
+    return {"system": "transformers continuous batching", "output_tokens": sum(output_lens), "seconds": r["wall_s"],
+            "output_tokens_per_s": sum(output_lens) / r["wall_s"]}
 
 
 def _decode_batch(batch_size: int, context_len: int, block_size: int, vocab_size: int) -> SchedulerOutput:
@@ -131,58 +193,98 @@ def _time_ms(fn, iters: int, warmup: int = 3) -> float:
 
 def decode_latency_by_bucket(model_path: str | None = None, *, dtype: str = "bfloat16", context_len: int = 512,
                              max_model_len: int | None = None, max_batch_size: int = 256,
-                             buckets: list[int] | None = None, iters: int = 20, block_size: int = 16,
-                             loaded=None) -> list[dict]:
-    """Median decode-step latency, eager vs CUDA graph, for each bucket (every row at context_len).
+                             buckets: list[int] | None = None, iters: int = 20, block_size: int | None = None,
+                             loaded=None, **config) -> list[dict]:
+    """Median decode-step latency, eager vs CUDA graph, for each batch bucket (every row at context_len).
 
-    Eager attention gathers the blocks of the longest context; a graph always gathers
-    ceil(max_model_len / block_size) of them. max_model_len=None makes the two equal (=
-    context_len), which isolates launch overhead; a larger value shows what the fixed width costs.
+    max_model_len None: the model's own (40,960 for Qwen3), as a user's defaults would have it; the
+    graph replayed is the narrowest that holds context_len, so its width follows the context.
     """
+    from ..config import EngineConfig
+    from ..cuda_graph import DecodeGraphRunner
+
     require_cuda("decode_latency_by_bucket")
     loaded = _load(model_path, loaded, dtype)
-    blocks_per_row = -(-context_len // block_size)
-    llm = LLM.from_loaded(loaded, device="cuda", dtype=dtype, use_cuda_graph=True, block_size=block_size,
-                          max_num_seqs=max_batch_size, max_model_len=max_model_len or context_len,
-                          num_blocks=max_batch_size * blocks_per_row, record_trace=False)
+    bs = EngineConfig(device="cuda", block_size=block_size).block_size  # None: the CUDA default
+    llm = LLM.from_loaded(loaded, device="cuda", dtype=dtype, use_cuda_graph=False, block_size=bs,
+                          max_num_seqs=max_batch_size, max_model_len=max_model_len, record_trace=False,
+                          num_blocks=max_batch_size * -(-context_len // bs), **config)  # each row its own blocks
     runner = llm.engine.runner
-    graph_runner = runner.graph_runner
+    graph_runner = DecodeGraphRunner(runner)
     results = []
     for b in buckets or graph_runner.buckets:
-        out = _decode_batch(b, context_len, block_size, loaded.vocab_size)
+        out = _decode_batch(b, context_len, bs, loaded.vocab_size)
         runner.graph_runner = None
         eager_ms = _time_ms(lambda: runner.execute(out), iters)
         runner.graph_runner = graph_runner
         graph_ms = _time_ms(lambda: runner.execute(out), iters)
         if runner.last_graph_bucket is None:
             raise RuntimeError(f"batch size {b} did not run through a graph (buckets: {graph_runner.buckets})")
-        results.append({"batch_size": b, "bucket": runner.last_graph_bucket, "context_len": context_len,
-                        "table_columns": graph_runner.max_blocks, "eager_ms": eager_ms, "graph_ms": graph_ms,
-                        "speedup": eager_ms / graph_ms})
+        results.append({"batch_size": b, "bucket": runner.last_graph_bucket, "width": runner.last_graph_width,
+                        "context_len": context_len, "block_size": bs, "backend": runner.attention_backend,
+                        "eager_ms": eager_ms, "graph_ms": graph_ms, "speedup": eager_ms / graph_ms})
     return results
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minicb.bench.w2", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=("w2", "latency"), default="w2")
-    parser.add_argument("--model", default=None, help=f"local dir or hub id (default {W2_MODEL}, from the HF cache)")
+    parser.add_argument("--workload", choices=("w2", "latency", "attention", "profile"), default="w2")
+    parser.add_argument("--model", default=W2_MODEL, help=f"random:NAME, a local dir or a hub id (default {W2_MODEL})")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--competitors", nargs="+", default=["defaults", "eager", "gather", "tuned", "hf"],
+                        help="W2: defaults (LLM with nothing set), eager (no graphs), gather (the padded decode), "
+                             "tuned (max_num_seqs 512, 16384 tokens a step), block512, block128, "
+                             "hf (transformers' continuous batching)")
+    parser.add_argument("--json", default=None, help="append every result as a JSON line to this file")
     args = parser.parse_args(argv)
     require_cuda("python -m minicb.bench.w2")
+
+    def emit(row):
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    from .gpu_step import attention_benchmark, profile_decode_step
+
+    if args.workload == "attention":
+        for row in attention_benchmark():
+            emit(row)
+        return
     loaded = _load(args.model, None, args.dtype)
+    if args.workload == "profile":
+        for backend in ("gather", "flash_pages"):
+            emit(profile_decode_step(loaded=loaded, dtype=args.dtype, attention_backend=backend))
+        return
     if args.workload == "latency":
         for row in decode_latency_by_bucket(dtype=args.dtype, loaded=loaded):
-            print(f"batch {row['batch_size']:4d}: eager {row['eager_ms']:7.2f} ms  graph {row['graph_ms']:7.2f} ms"
-                  f"  x{row['speedup']:.2f}")
+            emit(row)
+            print(f"batch {row['batch_size']:4d} -> graph ({row['bucket']}, {row['width']}): eager "
+                  f"{row['eager_ms']:7.2f} ms  graph {row['graph_ms']:7.2f} ms  x{row['speedup']:.2f}", flush=True)
         return
-    runs = [run_w2(use_cuda_graph=g, num_requests=args.num_requests, dtype=args.dtype, loaded=loaded)
-            for g in (False, True)]
-    for r in runs:
-        print(json.dumps(r))
-    eager, graph = (r["output_tokens_per_s"] for r in runs)
-    print(f"W2 on {runs[0]['device']}: eager {eager:.0f} tok/s, CUDA graphs {graph:.0f} tok/s (x{graph / eager:.2f})")
+    variants = {"defaults": {}, "eager": {"use_cuda_graph": False}, "gather": {"attention_backend": "gather"},
+                "tuned": {"max_num_seqs": 512, "max_num_batched_tokens": 16384}, "block512": {"block_size": 512},
+                "block128": {"block_size": 128}}
+    from ..config import EngineConfig
+
+    rows, cache_tokens = {}, None
+    for name in args.competitors:
+        if name == "hf":
+            rows[name] = run_hf_continuous_w2(args.model, num_requests=args.num_requests, dtype=args.dtype)
+        else:  # the first sizes its cache from the GPU; every later one gets exactly as many tokens of cache
+            bs = EngineConfig(device="cuda", **variants[name]).block_size
+            extra = {} if cache_tokens is None else {"num_blocks": cache_tokens // bs}
+            rows[name] = run_w2(num_requests=args.num_requests, dtype=args.dtype, loaded=loaded, **variants[name], **extra)
+            cache_tokens = cache_tokens or rows[name]["num_blocks"] * bs
+        emit({"competitor": name, **rows[name]})
+    device = torch.cuda.get_device_name()
+    print(f"\nW2 on {device}, {args.model}, {args.dtype}, {args.num_requests} requests:")
+    for name, r in rows.items():
+        ratio = {k: r["output_tokens_per_s"] / v["output_tokens_per_s"] for k, v in rows.items() if k != name}
+        print(f"  {name:9s} {r['output_tokens_per_s']:8.0f} output tok/s  {r['seconds']:7.1f} s  "
+              + "  ".join(f"x{v:.2f} vs {k}" for k, v in ratio.items()))
 
 
 if __name__ == "__main__":

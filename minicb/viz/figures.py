@@ -3,8 +3,9 @@
 Each entry of FIGURES is a name and a function returning a matplotlib Figure, so any figure can be
 rebuilt alone (`python -m minicb figures --only NAME`) and a notebook can draw the very same one
 (`FIGURES["nb00_static_vs_continuous"]()`). All of them come from the simulator, from arithmetic
-on published model configs, or (notebook 10's diagram, viz/processes.py) from data written out by hand:
-no model is loaded, and the whole set takes a few seconds.
+on published model configs, from data written out by hand (notebook 10's diagram, viz/processes.py),
+or from measurements stored beside them (gpu_h200: figures/gpu_h200_2026-11-26.jsonl, written by
+`python -m minicb.bench.w2 --json` on a GPU): no model is loaded, and the whole set takes a few seconds.
 Notebook 02's figures are made in figures_blocks.py. The demo's figures come from `python -m minicb demo`,
 the benchmark's from `python -m minicb bench`.
 """
@@ -239,7 +240,18 @@ def priority_timeline():
                                 title="Priority: vip arrives in step 6 and preempts bg1 (2 slots)")
 
 
+GPU_MEASUREMENTS = Path(__file__).resolve().parents[2] / "figures" / "gpu_h200_2026-11-26.jsonl"
+
+
+def gpu_h200():
+    """The README's GPU figure: decode step per batch size and W2, measured on an NVIDIA H200."""
+    from .cuda_graphs import measured_gpu, read_measurements
+
+    return measured_gpu(read_measurements(GPU_MEASUREMENTS))
+
+
 FIGURES = {
+    "gpu_h200": gpu_h200,
     "worked_example_static": lambda: worked_example("static"),
     "worked_example_continuous": lambda: worked_example("continuous"),
     "nb00_static_vs_continuous": static_vs_continuous,

@@ -1,0 +1,29 @@
+#!/bin/bash
+# The device check of issue 11, as run on an NVIDIA H200 on 2026-11-26 (results: figures/gpu_h200_2026-11-26.jsonl).
+# Not run by CI. On a GPU machine: LIMIT=seconds STAGES="tests attention w2 latency profile hf" .ci/gpu_check.sh
+# One device session: tests, then benchmarks, each bounded by what is left of the call's time.
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+T0=$(date +%s); LIMIT=${LIMIT:-570}
+left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+stage() {  # stage NAME MAXSECONDS command...
+  local name=$1 max=$2; shift 2
+  local t=$(left); [ $t -gt $max ] && t=$max
+  if [ $t -lt 15 ]; then echo "=== $name: skipped, $(left) s left"; return; fi
+  echo "=== $name (limit $t s, $(left) s left)"
+  local s=$(date +%s)
+  timeout $t "$@" 2>&1 | tee $OUT/$name.log | tail -${TAIL:-40}
+  echo "=== $name: rc ${PIPESTATUS[0]}, $(( $(date +%s) - s )) s"
+}
+nvidia-smi -L
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name()); print(torch.ops.aten._flash_attention_forward.default._schema)"
+for s in ${STAGES:-tests attention latency w2 profile hf}; do
+  case $s in
+    tests) TAIL=60 stage tests 150 python3 -m pytest -q -m "gpu and not slow" tests/test_gpu.py -s -p no:cacheprovider -o addopts="" ;;
+    attention) stage attention 60 python3 -m minicb.bench.w2 --workload attention --json $OUT/results.jsonl ;;
+    latency) stage latency 120 python3 -m minicb.bench.w2 --workload latency --json $OUT/results.jsonl ;;
+    w2) stage w2 ${W2_MAX:-260} python3 -m minicb.bench.w2 --workload w2 --competitors ${W2_COMPETITORS:-defaults eager gather tuned block512 block128 hf} --json $OUT/results.jsonl ;;
+    profile) stage profile 80 python3 -m minicb.bench.w2 --workload profile --json $OUT/results.jsonl ;;
+    hf) stage hf 260 python3 -m minicb.bench.w2 --workload w2 --competitors hf --json $OUT/results.jsonl ;;
+  esac
+done
+echo "total $(( $(date +%s) - T0 )) s"
