@@ -18,8 +18,6 @@ from .config import EngineConfig
 from .metrics import mean_gap, percentile
 from .request import Request
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sim import SIM_NUM_BLOCKS, scripted_step
 
 
 @dataclass(frozen=True)
@@ -145,38 +143,29 @@ class TimedRun:
                 f"window {self.window[0]:.1f}-{self.window[1]:.1f} s, in flight {self.in_flight():.1f})")
 
 
+def timed_window(arrivals: list[Arrival], warmup: float) -> tuple[float, float]:
+    """The measured window of a run: from the arrival `warmup` of the way in, to the last arrival."""
+    if not arrivals:
+        raise ValueError("no arrivals: a run needs at least one request to measure")
+    return arrivals[int(warmup * (len(arrivals) - 1))].time, arrivals[-1].time
+
+
 def run_timed(arrivals: list[Arrival], config: EngineConfig, cost: StepCost, warmup: float = 0.2) -> TimedRun:
     """Serve `arrivals` with the real scheduler and the scripted model; each step takes cost.seconds(tokens).
     A request that arrives during a step is admitted at the next one; an idle engine waits for the next
     arrival. The window skips the first `warmup` of the arrivals (the empty engine filling up) and
     everything after the last arrival (the drain)."""
-    if config.num_blocks is None:
-        config = config.replace(num_blocks=SIM_NUM_BLOCKS)
+    from .disaggregated import run_pool  # one pool's loop, as in a disaggregated setup (which imports us)
+
     arrivals = sorted(arrivals, key=lambda a: a.time)
-    sched = Scheduler(config)
+    window = timed_window(arrivals, warmup)
     reqs = [Request(str(i), [100_000 * (i + 1) + j for j in range(a.prompt_len)],  # no accidental prefix hits
                     SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True), arrival_index=i)
             for i, a in enumerate(arrivals)]
-    ends, blocks = [], []
-
-    def held(s, out):  # after schedule(): this step's blocks are allocated, none freed yet
-        blocks.append(s.block_manager.num_blocks - s.block_manager.num_free_blocks)
-
-    clock, nxt = 0.0, 0
-    while nxt < len(reqs) or sched.has_unfinished_requests():
-        if not sched.has_unfinished_requests():
-            clock = max(clock, arrivals[nxt].time)  # idle until the next request arrives
-        while nxt < len(reqs) and arrivals[nxt].time <= clock:
-            sched.add_request(reqs[nxt])
-            nxt += 1
-        out = scripted_step(sched, held)
-        sched.take_finished()
-        clock += cost.seconds(out.num_batched_tokens)
-        ends.append(clock)
-    timed = [TimedRequest(a.time, ends[r.first_token_step - 1], ends[r.finish_step - 1], a.output_len,
-                          r.num_preemptions) for a, r in zip(arrivals, reqs)]
-    window = (arrivals[int(warmup * (len(arrivals) - 1))].time, arrivals[-1].time)
-    return TimedRun(timed, ends, blocks, window)
+    run = run_pool([(a.time, r) for a, r in zip(arrivals, reqs)], config, cost, {})
+    timed = [TimedRequest(a.time, run.first_token[r.request_id], run.finish[r.request_id], a.output_len,
+                          run.preemptions[r.request_id]) for a, r in zip(arrivals, reqs)]
+    return TimedRun(timed, run.step_ends, run.step_blocks, window)
 
 
 @dataclass

@@ -29,7 +29,7 @@ prefill pool runs first and hands over its finish times (exact under the first a
 
 from dataclasses import dataclass
 
-from .capacity import Arrival, StepCost, TimedRequest, TimedRun
+from .capacity import Arrival, StepCost, TimedRequest, TimedRun, timed_window
 from .config import EngineConfig
 from .request import Request
 from .sampling_params import SamplingParams
@@ -67,11 +67,14 @@ class PoolRun:
     step_ends: list[float]
     step_blocks: list[int]
     preemptions: dict[str, int]
+    blocks_held_at_end: int  # blocks still allocated when every request has finished: 0 unless a leak
+    tokens_computed: int  # tokens priced over the run (loaded KV is not, unless a preemption dropped it)
 
 
 def run_pool(entries: list[tuple[float, Request]], config: EngineConfig, cost: StepCost, loaded: dict[str, int]) -> PoolRun:
     """Serve (time, request) pairs with a real Scheduler and the scripted model. `loaded`: request id ->
-    prompt positions whose KV arrives from elsewhere (priced as no compute); others cost every token."""
+    prompt positions whose KV arrives from elsewhere (priced as no compute); others cost every token. A
+    request preempted by recompute has lost that KV: its recomputation is priced like any prefill."""
     if config.num_blocks is None:
         config = config.replace(num_blocks=SIM_NUM_BLOCKS)
     entries = sorted(entries, key=lambda e: e[0])
@@ -81,7 +84,7 @@ def run_pool(entries: list[tuple[float, Request]], config: EngineConfig, cost: S
     def held(s, out):  # after schedule(): this step's blocks are allocated, none freed yet
         blocks.append(s.block_manager.num_blocks - s.block_manager.num_free_blocks)
 
-    clock, nxt = 0.0, 0
+    clock, nxt, total = 0.0, 0, 0
     while nxt < len(entries) or sched.has_unfinished_requests():
         if not sched.has_unfinished_requests():
             clock = max(clock, entries[nxt][0])  # idle until the next request arrives
@@ -90,23 +93,21 @@ def run_pool(entries: list[tuple[float, Request]], config: EngineConfig, cost: S
             nxt += 1
         out = scripted_step(sched, held)
         sched.take_finished()
-        computed = sum(max(0, r.start + r.num_tokens - max(r.start, loaded.get(r.request.request_id, 0)))
+        computed = sum(max(0, r.start + r.num_tokens - max(r.start, 0 if r.request.num_preemptions else
+                                                               loaded.get(r.request.request_id, 0)))
                        for r in out.scheduled)
-        clock += cost.seconds(computed)
+        clock, total = clock + cost.seconds(computed), total + computed
         ends.append(clock)
     reqs = [r for _, r in entries]
     return PoolRun({r.request_id: ends[r.first_token_step - 1] for r in reqs},
                    {r.request_id: ends[r.finish_step - 1] for r in reqs}, ends, blocks,
-                   {r.request_id: r.num_preemptions for r in reqs})
+                   {r.request_id: r.num_preemptions for r in reqs},
+                   sched.block_manager.num_blocks - sched.block_manager.num_free_blocks, total)
 
 
 def _request(i: int, tokens: list[int], max_tokens: int, rank: int) -> Request:
     return Request(str(i), tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                    arrival_index=rank)
-
-
-def _window(arrivals: list[Arrival], warmup: float) -> tuple[float, float]:
-    return arrivals[int(warmup * (len(arrivals) - 1))].time, arrivals[-1].time
 
 
 def run_disaggregated(arrivals: list[Arrival], prefill: EngineConfig, decode: EngineConfig, cost: StepCost,
@@ -116,6 +117,7 @@ def run_disaggregated(arrivals: list[Arrival], prefill: EngineConfig, decode: En
     a TimedRun (TTFT from the prefill pool, TPOT and finish from the decode pool) with the decode pool's
     steps and blocks."""
     arrivals = sorted(arrivals, key=lambda a: a.time)
+    window = timed_window(arrivals, warmup)  # refuses an empty list before anything runs
     prompts = [[100_000 * (i + 1) + j for j in range(a.prompt_len)] for i, a in enumerate(arrivals)]
     pre = run_pool([(a.time, _request(i, p, 1, i)) for i, (a, p) in enumerate(zip(arrivals, prompts))],
                    prefill, cost, {})
@@ -130,7 +132,7 @@ def run_disaggregated(arrivals: list[Arrival], prefill: EngineConfig, decode: En
         rid, first = str(i), pre.first_token[str(i)]
         timed.append(TimedRequest(a.time, first, dec.finish.get(rid, first), a.output_len,
                                   pre.preemptions[rid] + dec.preemptions.get(rid, 0)))
-    return TimedRun(timed, dec.step_ends, dec.step_blocks, _window(arrivals, warmup))
+    return TimedRun(timed, dec.step_ends, dec.step_blocks, window)
 
 
 def run_replicas(arrivals: list[Arrival], config: EngineConfig, cost: StepCost, replicas: int = 2,
@@ -141,6 +143,7 @@ def run_replicas(arrivals: list[Arrival], config: EngineConfig, cost: StepCost, 
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     arrivals = sorted(arrivals, key=lambda a: a.time)
+    window = timed_window(arrivals, warmup)
     runs, timed = [], [None] * len(arrivals)
     for k in range(replicas):
         mine = list(range(k, len(arrivals), replicas))
@@ -150,4 +153,4 @@ def run_replicas(arrivals: list[Arrival], config: EngineConfig, cost: StepCost, 
         for i in mine:
             timed[i] = TimedRequest(arrivals[i].time, run.first_token[str(i)], run.finish[str(i)],
                                     arrivals[i].output_len, run.preemptions[str(i)])
-    return TimedRun(timed, runs[0].step_ends, runs[0].step_blocks, _window(arrivals, warmup))
+    return TimedRun(timed, runs[0].step_ends, runs[0].step_blocks, window)

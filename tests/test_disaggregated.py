@@ -3,7 +3,7 @@ between them, and the colocated baseline on the same devices."""
 
 import pytest
 
-from minicb.capacity import Arrival, StepCost, Workload
+from minicb.capacity import Arrival, StepCost, Workload, run_timed
 from minicb.config import EngineConfig
 from minicb.disaggregated import KVTransfer, _request, run_disaggregated, run_pool, run_replicas
 
@@ -56,6 +56,22 @@ def test_every_request_finishes_and_no_block_leaks():
     assert max(run.step_blocks) <= 120
 
 
+def test_a_preempted_request_pays_for_the_kv_it_lost():
+    """Landed KV costs the decode pool no compute, until a preemption by recompute drops it: then its
+    prompt is computed again, like any prefill. No block is held once every request has finished."""
+    def entries():  # fresh requests for each run: a run changes its requests
+        return [(0.0, _request(i, list(range(1000 * (i + 1), 1000 * (i + 1) + 200)) + [1], 60, i)) for i in (0, 1)]
+
+    loaded = {"0": 200, "1": 200}
+    ample = run_pool(entries(), DEC.replace(num_blocks=200), COST, loaded)
+    tight = run_pool(entries(), DEC.replace(num_blocks=30, max_num_seqs=4, enable_prefix_caching=False), COST, loaded)
+    assert ample.preemptions == {"0": 0, "1": 0} and ample.tokens_computed == 2 * 60  # one token a step each
+    assert tight.preemptions == {"0": 0, "1": 1} and tight.tokens_computed >= 2 * 60 + 200  # its prompt again
+    assert ample.blocks_held_at_end == tight.blocks_held_at_end == 0
+    cached = run_pool(entries(), DEC.replace(num_blocks=30, max_num_seqs=4), COST, loaded)  # prefix caching on:
+    assert 2 * 60 < cached.tokens_computed < tight.tokens_computed  # only what the cache lost is computed again
+
+
 def test_pool_refuses_what_can_never_run_and_links_must_be_positive():
     with pytest.raises(ValueError, match="KV blocks"):
         run_pool([(0.0, _request(0, list(range(900)), 1, 0))], PRE.replace(num_blocks=8), COST, {})
@@ -66,3 +82,7 @@ def test_pool_refuses_what_can_never_run_and_links_must_be_positive():
     assert KVTransfer.over_link(45 * 1024, 10).seconds(1000) == pytest.approx(1000 * 45 * 1024 / 1e10)
     with pytest.raises(ValueError, match="replicas"):
         run_replicas([Arrival(0.0, 4, 2)], PRE, COST, replicas=0)
+    for run in (lambda: run_disaggregated([], PRE, DEC, COST), lambda: run_replicas([], PRE, COST),
+                lambda: run_timed([], PRE, COST)):
+        with pytest.raises(ValueError, match="no arrivals"):
+            run()
