@@ -204,7 +204,9 @@ class DecodeGraphRunner:
             raise ValueError(f"not a decode-only step of 1..{self.buckets[-1]} rows of at most "
                              f"{self.widths[self.buckets[0]][-1]} table columns: run it eagerly")
         locs = cache_locations(h.block_tables, h.context_lens, h.query_lens, bs)
-        host = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731  built on the CPU; copy_ moves it
+
+        def host(x):
+            return torch.tensor(x, dtype=torch.long)  # built on the CPU; copy_ moves it to the device
 
         self.input_ids[:num_rows].copy_(host(h.input_ids))
         self.positions[:num_rows].copy_(host(h.positions))

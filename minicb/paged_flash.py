@@ -61,8 +61,8 @@ def page_pairs(block_tables, context_lens, block_size: int, num_locations: int) 
 
 def pairs_attention_reference(q_pairs, k_flat, v_flat, pairs: PagePairs, block_size: int, scale: float):
     """What the flash kernel computes, in plain PyTorch. q_pairs: (P, H, D); k_flat, v_flat: (L, KV, D).
-    Returns (out (P, H, D), lse (H, P) float32, float64 for float64 inputs). A pair with no tokens gets out 0 and lse +inf, as the
-    kernel's early exit writes them: combine_pairs must never trust those."""
+    Returns (out (P, H, D), lse (H, P) float32, float64 for float64 inputs). A pair with no tokens gets
+    out 0 and lse +inf, as the kernel's early exit writes them: combine_pairs must never trust those."""
     num_pairs, num_heads, head_dim = q_pairs.shape
     kv_heads = k_flat.shape[1]
     idx = pairs.cu_seq_k[:-1, None].long() + torch.arange(block_size, device=q_pairs.device)  # (P, bs)

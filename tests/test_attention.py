@@ -4,6 +4,8 @@ import random
 
 import pytest
 import torch
+
+import minicb.attention
 from transformers import LlamaConfig
 
 from minicb.attention import (
@@ -122,7 +124,10 @@ def test_padded_rows_write_only_the_sink_and_do_not_change_real_rows():
 
 
 @pytest.mark.parametrize("sliding_window", [None, 4])
-def test_prefill_attention_over_a_cached_prefix_equals_dense_causal_attention(sliding_window):
+@pytest.mark.parametrize("causal_devices", [("cuda",), ("cuda", "cpu")])  # the second: whole prompts with is_causal
+def test_prefill_attention_over_a_cached_prefix_equals_dense_causal_attention(sliding_window, causal_devices,
+                                                                              monkeypatch):
+    monkeypatch.setattr(minicb.attention, "CAUSAL_FLASH_DEVICES", causal_devices)
     block_size, num_blocks = 3, 20
     k_cache, v_cache = random_cache(num_blocks, block_size, seed=2)
     # seq 0: decode; seq 1: chunk of 4 after a cached prefix of 7; seq 2: fresh prompt of 5

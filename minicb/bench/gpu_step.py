@@ -63,14 +63,16 @@ def attention_benchmark(batch: int = 256, min_ctx: int = 100, max_ctx: int = 204
         small.kernel = pairs_attention_reference
         ref_err = (flash_pages_attention(q[:4], k, v, small, scale).float() - ref[:4]).abs().max().item()
         rows.append({"block_size": bs, "pairs": batch * width, "kv_gb": kv_bytes / 1e9, "floor_ms": floor,
-                     "gather_ms": gather_ms, "pages_ms": pages_ms, "kernel_only_ms": kernel_ms, "gather_x_floor": gather_ms / floor,
+                     "gather_ms": gather_ms, "pages_ms": pages_ms, "kernel_only_ms": kernel_ms,
+                     "gather_x_floor": gather_ms / floor,
                      "pages_x_floor": pages_ms / floor, "max_abs_err_vs_gather": err,
                      "max_abs_err_reference_kernel": ref_err})
         del k, v
     return rows
 
 
-KERNEL_KINDS = (("gather", ("index_select", "indexselect", "gather")), ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+KERNEL_KINDS = (("gather", ("index_select", "indexselect", "gather")),
+                ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
                 ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "splitk")))
 
 

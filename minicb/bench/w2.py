@@ -276,7 +276,8 @@ def main(argv=None) -> None:
         else:  # the first sizes its cache from the GPU; every later one gets exactly as many tokens of cache
             bs = EngineConfig(device="cuda", **variants[name]).block_size
             extra = {} if cache_tokens is None else {"num_blocks": cache_tokens // bs}
-            rows[name] = run_w2(num_requests=args.num_requests, dtype=args.dtype, loaded=loaded, **variants[name], **extra)
+            rows[name] = run_w2(num_requests=args.num_requests, dtype=args.dtype, loaded=loaded, **variants[name],
+                                **extra)
             cache_tokens = cache_tokens or rows[name]["num_blocks"] * bs
         emit({"competitor": name, **rows[name]})
     device = torch.cuda.get_device_name()
