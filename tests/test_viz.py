@@ -564,3 +564,10 @@ def test_viz_modules_import_no_cycle_and_no_private_names():
         return seen
 
     assert all(name not in reaches(name, set()) for name in imports), imports
+
+
+def test_the_width_cost_figure_uses_the_engines_width_buckets():
+    from minicb.cuda_graph import width_buckets
+    from minicb.viz.cuda_graphs import _powers
+
+    assert all(_powers(n) == width_buckets(n) for n in range(1, 300))

@@ -29,7 +29,8 @@ def graph_grid(buckets: list[int], widths: dict[int, list[int]], block_size: int
 
 
 def _powers(n: int) -> list[int]:
-    return [1 << i for i in range(n.bit_length()) if 1 << i <= n] + [n]
+    """cuda_graph.width_buckets, restated here because the viz package imports no torch (tests compare them)."""
+    return [1 << i for i in range(n.bit_length()) if 1 << i < n] + [n]
 
 
 def read_ratio(contexts: list[int], block_size: int, max_model_len: int, ax=None):
