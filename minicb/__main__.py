@@ -1,6 +1,7 @@
 """Command line: python -m minicb demo | generate | bench | serve | figures (each with --help)."""
 
 import argparse
+import json
 import importlib
 import sys
 import time
@@ -72,7 +73,7 @@ def cmd_generate(args):
     # Validate before the model loads, so a bad value fails in a second, not after the load.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    llm = LLM(args.model)
+    llm = LLM(args.model, speculative_config=args.speculative_config)
     prompts = [p if args.raw else chat_token_ids(llm.get_tokenizer(), [{"role": "user", "content": p}])
                for p in args.prompts]
     if len(prompts) == 1:  # stream one answer to the terminal as it is generated
@@ -114,6 +115,8 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
+    p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'')
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("model-dir", help="print the embedded model's directory (config, tokenizer, weights), "

@@ -215,6 +215,13 @@ class BlockManager:
         self.num_hashed.pop(rid, None)
         self.cpu_free.extend(self.cpu_block_tables.pop(rid, ()))
 
+    def free_tail(self, rid: str, num_tokens: int) -> None:
+        """Give back the blocks past the first blocks_for(num_tokens) (none, unless a row verified drafts: then those
+        that held only rejected drafts, never hashed since cache_full_blocks covers computed tokens only)."""
+        table = self.block_tables[rid]
+        self._release(table[self.blocks_for(num_tokens):])
+        del table[self.blocks_for(num_tokens):]
+
     # ------------------------------------------------------------------ swap
     def can_swap_out(self, rid: str) -> bool:
         return len(self.block_tables.get(rid, ())) <= len(self.cpu_free)

@@ -9,6 +9,8 @@ never reads a file or touches a device (the engine resolves model-dependent valu
 import dataclasses
 from dataclasses import dataclass
 
+from .spec_decode import SpeculativeConfig
+
 BATCHING_MODES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")  # vLLM has the first two; "sjf" is minicb's
 PREEMPTION_MODES = ("recompute", "swap")
@@ -70,6 +72,9 @@ class EngineConfig:
     # Split every layer over N processes (vLLM's name): each holds 1/N of the heads and MLP features and
     # the KV cache of its own KV heads; N must divide the model's KV heads (parallel.py)
     tensor_parallel_size: int = 1
+    # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    # "prompt_lookup_min": m}. None: off (it pays where outputs copy their context; spec_decode.py)
+    speculative_config: object = None
     seed: int = 0  # generator for sampled requests that carry no seed of their own
     record_trace: bool = True  # keep one StepRecord per step (notebooks); servers may turn it off
 
@@ -79,6 +84,8 @@ class EngineConfig:
         for name, cpu, cuda in (("block_size", 16, 256), ("max_num_seqs", 64, 256), ("max_num_batched_tokens", 256, 8192)):
             if getattr(self, name) is None:  # the device's default (frozen: set it the dataclass way)
                 object.__setattr__(self, name, cuda if self.device.startswith("cuda") else cpu)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
+
         def positive(name, allow_none=False):
             value = getattr(self, name)
             if value is None and allow_none:

@@ -179,10 +179,11 @@ class DecodeGraphRunner:
         return None if w is None else (b, w)
 
     def can_run(self, out) -> bool:
-        """True for a decode-only step (one sampled token per row) that fits a graph."""
+        """True for a step of decode rows only (verifying rows included: one graph row per token) that fits a graph."""
         rows, bs = out.scheduled, self.block_size
-        return (all(not r.is_prefill and r.num_tokens == 1 and r.do_sample for r in rows) and
-                self.graph_for(len(rows), max((-(-(r.start + 1) // bs) for r in rows), default=0)) is not None)
+        width = max((-(-(r.start + r.num_tokens) // bs) for r in rows), default=0)  # table columns it reads
+        return (all(not r.is_prefill and r.do_sample for r in rows) and
+                self.graph_for(sum(r.num_tokens for r in rows), width) is not None)
 
     def _pad(self, start: int, stop: int) -> None:
         """Make rows start..stop-1 padding: token 0 at position 0, writing and reading only the sink."""
@@ -193,11 +194,13 @@ class DecodeGraphRunner:
         self.block_tables[start:stop] = self.sink_block_id
 
     @torch.inference_mode()
-    def run(self, out) -> torch.Tensor:
-        """Copy the live batch in, pad to its graph, replay. Returns (B, vocab) logits, in row order."""
-        num_rows, bs = len(out.scheduled), self.block_size
+    def run(self, out, h=None) -> torch.Tensor:
+        """Copy the live batch in, pad to its graph, replay. Returns (num_tokens, vocab) logits, in row order
+        (one graph row per token: a verifying row of k drafts fills k + 1). `h`: the step's HostInputs, if made."""
+        bs = self.block_size
         # Host-side bookkeeping, outside the graph (Python values are fine here): the eager path's lists.
-        h = host_inputs(out, bs)
+        h = h or host_inputs(out, bs)
+        num_rows = len(h.input_ids)
         width = max((len(t) for t in h.block_tables), default=0)  # the columns this step needs
         key = self.graph_for(num_rows, width) if self.can_run(out) else None
         if key is None:
@@ -221,7 +224,7 @@ class DecodeGraphRunner:
         self.num_replays += 1
         # Logits outside the graph, for the live rows only: a graph's output stays allocated as long as the
         # graph, and 115 graphs' (rows, vocab) logits held 2.8 GiB on the H200; their hidden states hold 20 MB.
-        return self.model.compute_logits(graph.output[:num_rows])  # (B, vocab)
+        return self.model.compute_logits(graph.output[:num_rows])  # (num_tokens, vocab)
 
     def __repr__(self) -> str:
         mode = "emulated on CPU" if self.emulated else f"CUDA graphs on {self.device}"

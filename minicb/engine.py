@@ -13,21 +13,18 @@ import time
 import torch
 
 from .config import EngineConfig
-from .kv_cache import KVCache
-from .kv_quant import cache_dtype_of
-from .memory import DEFAULT_KV_CACHE_BYTES, gpu_baseline, largest_graph, profile_kv_cache, resolve_config  # noqa: F401
-from .paged_flash import choose_attention_backend
-from .loader import LoadedModel, cache_dir, load_model
-from .cpu_kernels import prepare_cpu_linears
-from .model import CausalLM
-from .model_runner import ModelRunner, ModelRunnerOutput
+from .memory import DEFAULT_KV_CACHE_BYTES, resolve_config  # noqa: F401 (resolve_config: its home is memory.py)
+from .loader import LoadedModel, load_model
+from .model_runner import ModelRunnerOutput
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .spec_decode import NgramProposer, propose_drafts
 from .trace import Trace
+from .worker import Worker
 
 log = logging.getLogger("minicb.engine")
 
@@ -40,43 +37,16 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.vocab_size
         self.model_name = loaded.name
-        self.tp = None  # with tensor_parallel_size N > 1: rank 0's shard here, N - 1 worker processes (parallel.py)
-        cuda, on_device = torch.device(config.device).type == "cuda", config.num_blocks is None
-        before = gpu_baseline(config) if on_device else 0  # the KV cache gets what the GPU has left (memory.py)
-        if config.tensor_parallel_size > 1:
-            from .parallel import TensorParallel
-
-            self.tp = TensorParallel(loaded, config)
-        model = self.tp.model if self.tp else CausalLM.from_hf(loaded.hf_config, loaded.state_dict, dtype, config.device)
-        self.cpu_kernels = {}  # linear shape -> the kernel it runs on (float32 on CPU), see cpu_kernels.py
-        if config.prepack_cpu_weights and dtype == torch.float32 and not cuda:
-            model, self.cpu_kernels = prepare_cpu_linears(model, config.prepack_cpu_weights,
-                                                            cache_dir() / "cpu_kernels.json")
-        hf_config, cache_dtype = self.tp.hf_config if self.tp else loaded.hf_config, cache_dtype_of(config.kv_cache_dtype, dtype)
-        backend = choose_attention_backend(config, hf_config, cache_dtype != dtype)
-        use_graph = config.use_cuda_graph is True or (config.use_cuda_graph == "auto" and cuda and not self.tp)
-        self.memory = None  # a MemoryProfile when the cache is sized from the GPU
-        if on_device:
-            self.memory = profile_kv_cache(config, hf_config, model, torch.cuda.memory_allocated(config.device) - before,
-                                           largest_graph(config) if use_graph else None, backend == "flash_pages")
-            self.config = config = config.replace(num_blocks=self.memory.num_blocks)
-        self.kv_cache = KVCache(hf_config, config.num_blocks, config.block_size, dtype, config.device,
-                                config.num_swap_blocks, cache_dtype)
+        worker = Worker(config, loaded)  # weights, KV cache, model runner and graphs on the device (worker.py)
+        self.config = config = worker.config  # with num_blocks, when the cache was sized from the GPU
+        self.tp, self.cpu_kernels, self.memory = worker.tp, worker.cpu_kernels, worker.memory
+        self.kv_cache, self.runner = worker.kv_cache, worker.runner
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(model, self.kv_cache, config, config.device)
-        self.runner.tp, self.runner.attention_backend = self.tp, backend
-        if use_graph:
-            from .cuda_graph import DecodeGraphRunner
-
-            reserved = torch.cuda.memory_reserved(config.device) if cuda else 0
-            self.runner.graph_runner = DecodeGraphRunner(self.runner)
-            if self.memory is not None:  # the graphs' pool as captured, beside the estimate it was sized with
-                self.memory.graphs_captured = torch.cuda.memory_reserved(config.device) - reserved
-        for quant in self.kv_cache.quant if config.calculate_kv_scales else []:  # after capture: not in a graph
-            quant.calibrate = True  # fp8: the first forward pass sets each layer's scales (kv_quant.py)
         self.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)  # text, logprobs, samples -> outputs
+        spec = config.speculative_config  # drafts proposed after each step, verified in the next (spec_decode.py)
+        self.proposer = NgramProposer(spec) if spec else None
         self._next_id = 0  # for request ids chosen by the engine
         self._num_added = 0  # arrival order (FIFO key)
 
@@ -150,25 +120,38 @@ class Engine:
         for rid, e in result.errors.items():  # those samples stop here; update() drops their tokens
             self._fail(rid, f"{type(e).__name__}: {e}")
         self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
-        touched = self.scheduler.update(out, [0 if t is None else t for t in result.sampled_token_ids])
+        touched = self.scheduler.update(out, [0 if t is None else t for t in result.sampled_token_ids],
+                                        result.accepted_drafts)
         now = time.perf_counter()
         for req in touched:
-            req.metrics.record_token(now)
+            for _ in range(req.num_new_tokens):  # more than one when drafts were accepted: they come out together
+                req.metrics.record_token(now)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             if req.is_finished:
                 req.metrics.finish_time = now
             try:
-                stop_string = self.output_processor.add_token(req, result.logprobs.get(req.request_id))
-                if stop_string is not None and req.status != RequestStatus.FINISHED_STOPPED:
-                    self._stop(req, stop_string)
+                self._add_tokens(req, result.logprobs.get(req.request_id))
             except Exception as e:  # e.g. its text cannot be decoded: it fails alone
                 self._fail(req.request_id, f"{type(e).__name__}: {e}")
         finished = self.scheduler.take_finished()
+        if self.proposer is not None:  # drafts for the next step (spec_decode.py)
+            propose_drafts(self.proposer, touched, finished)
         if self.config.record_trace:
             self.trace.record(self.scheduler, out, finished, self.runner.last_graph_bucket, now - t0,
-                              self.runner.last_graph_width)
+                              self.runner.last_graph_width, result.accepted_drafts)
         return self.output_processor.make_outputs(touched, finished)
+
+    def _add_tokens(self, req: Request, logprobs) -> None:
+        """Hand the step's new tokens to the output processor, one by one: the first that completes a stop string
+        finishes the sample, and drafts accepted past it are dropped, as if they had never been generated."""
+        for i in range(req.num_tokens - req.num_new_tokens, req.num_tokens):
+            stop_string = self.output_processor.add_token(req, logprobs, i)
+            if stop_string is not None and req.status != RequestStatus.FINISHED_STOPPED:
+                req.num_new_tokens -= req.num_tokens - 1 - i
+                del req.token_ids[i + 1:]
+                self._stop(req, stop_string)
+                return
 
     def _stop(self, req: Request, stop_string: str) -> None:
         """Finish a sample whose text reached one of its stop strings."""

@@ -53,17 +53,16 @@ def prompt_logprob_targets(row) -> range:
     return range(max(row.start + 1, len(req.prompt_logprobs)), last + 1)
 
 
-def prompt_logprobs(rows, hidden: Tensor, query_start_loc: Tensor, compute_logits) -> dict[str, list]:
+def prompt_logprobs(rows, hidden: Tensor, row_starts: list[int], compute_logits) -> dict[str, list]:
     """{request id: new prompt entries} for the rows whose chunks score prompt tokens this step.
-    hidden (num_tokens, hidden) is the step's output; query_start_loc[i] is row i's first token in it."""
+    hidden (num_tokens, hidden) is the step's output; row_starts[i] is row i's first token in it."""
     found = {}
     if all(row.request.prompt_logprobs is None for row in rows):
         return found  # the common case: nothing to do, and no device-to-host copy
-    query_start = query_start_loc.tolist()
     for i, row in enumerate(rows):
         targets, req = prompt_logprob_targets(row), row.request
         if targets:
-            first = query_start[i] + targets.start - 1 - row.start  # the position that scores targets[0]
+            first = row_starts[i] + targets.start - 1 - row.start  # the position that scores targets[0]
             lp = logprobs(compute_logits(hidden[first:first + len(targets)]))  # (len(targets), vocab)
             found[req.request_id] = gather_logprobs(lp, req.token_ids[targets.start:targets.stop],
                                                     [req.params.prompt_logprobs] * len(targets))

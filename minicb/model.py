@@ -22,6 +22,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .attention import AttentionMetadata, paged_attention
 from .kv_cache import KVCache, head_dim_of, num_kv_heads_of
+from .weights import load_hf_weights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -152,15 +153,6 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _hf_names(name: str) -> list[str]:
-    """The Hugging Face parameters (without the "model." prefix) that make up one of ours."""
-    if ".qkv_proj." in name:
-        return [name.replace("qkv_proj", f"{x}_proj") for x in "qkv"]
-    if ".gate_up_proj." in name:
-        return [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
-    return [name]
-
-
 class CausalLM(nn.Module):
     def __init__(self, hf_config):
         super().__init__()
@@ -184,32 +176,9 @@ class CausalLM(nn.Module):
         """Build from a transformers config and a state dict with Hugging Face parameter names."""
         with torch.device("meta"):  # shapes only: no memory, no random init
             model = cls(hf_config)
-        hf = {k.removeprefix("model."): t for k, t in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
-        if model.tie_word_embeddings:
-            hf.pop("lm_head.weight", None)  # the same tensor as embed_tokens.weight
-
-        weights = {}
-        for name in model.state_dict():
-            if name == "lm_head.weight" and model.tie_word_embeddings:
-                continue
-            parts = _hf_names(name)
-            missing = [p for p in parts if p not in hf]
-            if missing:
-                raise ValueError(f"state dict has no {missing[0]!r} (needed for {name}); "
-                                 "is tie_word_embeddings / attention_bias set right in the config?")
-            weights[name] = torch.cat([hf.pop(p).to(device=device, dtype=dtype) for p in parts])
-        if hf:
-            raise ValueError(f"state dict has parameters this {hf_config.model_type} model does not use: "
-                             f"{sorted(hf)[:5]}")
-        if model.tie_word_embeddings:
-            weights["lm_head.weight"] = weights["embed_tokens.weight"]
-        model.load_state_dict(weights, strict=True, assign=True)
-        if model.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight  # one Parameter, not two copies
-
+        load_hf_weights(model, state_dict, dtype, device)  # names mapped, qkv and gate/up fused (weights.py)
         cos, sin = rope_tables(hf_config, head_dim_of(hf_config))
-        model.rope_cos = cos.to(device=device, dtype=dtype)
-        model.rope_sin = sin.to(device=device, dtype=dtype)
+        model.rope_cos, model.rope_sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         return model.requires_grad_(False).eval()
 
     def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

@@ -15,6 +15,7 @@ outside the graph, and the eager path below is the reference every graph must ma
 """
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -27,7 +28,9 @@ from .logprobs import gather_logprobs, logprobs, prompt_logprobs
 from .penalties import process_logits
 from .paged_flash import page_pairs
 from .ragged_attention import decode_groups
+from .rejection_sampler import verify_drafts
 from .sampler import Sampler
+from .spec_decode import SpecDecodingStats
 
 
 @dataclass
@@ -40,35 +43,45 @@ class ModelRunnerOutput:
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)  # request id -> this token's
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # id -> new entries
     errors: dict[str, Exception] = field(default_factory=dict)  # request id -> why its sampling failed
+    accepted_drafts: dict[str, list[int]] = field(default_factory=dict)  # id -> drafts kept, before its sampled token
 
 
 @dataclass
 class HostInputs:
     """One step's inputs as plain Python lists, before they become tensors (the part of input
-    preparation that runs on the CPU between two GPU steps, and that W3 times)."""
+    preparation that runs on the CPU between two GPU steps, and that W3 times). Attention rows are the
+    scheduler's rows, except that a decode row with drafts to verify (spec_decode.py) is fed as one
+    one-query attention row per token: its query j sees the first start + j + 1 tokens, exactly what a
+    decode at that position sees, so every such row takes the batched decode path (and fits a graph)."""
 
     input_ids: list[int]  # (num_tokens,): every scheduled token of every row, rows concatenated
     positions: list[int]  # (num_tokens,): each token's position in its own sequence
-    block_tables: list[list[int]]  # per row: only the blocks in use after this step
-    context_lens: list[int]  # per row: tokens in the cache after this step's writes
-    query_lens: list[int]  # per row: tokens fed this step
-    num_decodes: int  # the leading one-token rows, which take the batched decode path
-    sample_rows: list[int]  # rows that sample a token this step
+    block_tables: list[list[int]]  # per attention row: only the blocks in use after this step
+    context_lens: list[int]  # per attention row: tokens in the cache after this step's writes
+    query_lens: list[int]  # per attention row: tokens fed this step
+    num_decodes: int  # the leading one-token attention rows, which take the batched decode path
+    sample_rows: list[int]  # scheduler rows that sample a token this step
+    row_starts: list[int]  # per scheduler row: the index of its first token in input_ids
+    logits_indices: list[int]  # the tokens whose logits are computed: each sampling row's last, a verifying row's all
 
 
 def host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
-    inputs = HostInputs([], [], [], [], [], 0, [])
+    inputs = HostInputs([], [], [], [], [], 0, [], [], [])
     for i, row in enumerate(out.scheduled):
         start, n = row.start, row.num_tokens
+        inputs.row_starts.append(len(inputs.input_ids))
         inputs.input_ids += row.token_ids
         inputs.positions += range(start, start + n)
-        inputs.context_lens.append(start + n)
-        inputs.query_lens.append(n)
-        inputs.block_tables.append(row.block_table[:cdiv(start + n, block_size)])
-        if n == 1 and inputs.num_decodes == i:
-            inputs.num_decodes += 1
+        per_token = n == 1 or not row.is_prefill  # one attention row per token (decodes, verifying rows)
+        lens = range(start + 1, start + n + 1) if per_token else [start + n]
+        if per_token and inputs.num_decodes == len(inputs.context_lens):
+            inputs.num_decodes += n
+        inputs.context_lens += lens
+        inputs.query_lens += [1] * n if per_token else [n]
+        inputs.block_tables += [row.block_table[:cdiv(c, block_size)] for c in lens]
         if row.do_sample:
             inputs.sample_rows.append(i)
+            inputs.logits_indices += range(len(inputs.input_ids) - 1 - len(row.spec_token_ids), len(inputs.input_ids))
     return inputs
 
 
@@ -82,10 +95,11 @@ class ModelRunner:
         self.graph_runner = None  # a DecodeGraphRunner when CUDA graphs are enabled
         self.tp = None  # parallel.TensorParallel with tensor_parallel_size > 1: workers mirror every step
         self.attention_backend = "gather"  # or "flash_pages": the engine picks (config.attention_backend)
+        self.spec_stats = SpecDecodingStats()  # drafts verified and accepted (speculative decoding)
         self.last_graph_bucket = self.last_graph_width = None  # rows and table columns of the last graph replayed
 
     def prepare_inputs(self, out: SchedulerOutput):
-        """(input_ids, positions, meta, sample_rows): everything the forward pass needs."""
+        """(input_ids, positions, meta, logits_indices): everything the forward pass needs."""
         return self.inputs_from_host(host_inputs(out, self.config.block_size))
 
     def inputs_from_host(self, h: HostInputs):
@@ -99,7 +113,7 @@ class ModelRunner:
                                                self.config.block_size, self.kv_cache.sink_block_id,
                                                self.kv_cache.dtype, self.device)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
-        return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.sample_rows
+        return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.logits_indices
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -111,30 +125,33 @@ class ModelRunner:
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         self.last_graph_bucket = self.last_graph_width = None
         result, rows = ModelRunnerOutput(), out.scheduled
+        h = host_inputs(out, self.config.block_size) if rows else None
         if self.tp is not None:  # every worker does the same block copies and forward on its shard
-            self.tp.step(out, host_inputs(out, self.config.block_size) if rows else None)
+            self.tp.step(out, h)
         if not rows:
             return result
-        if self.graph_runner is not None and self.graph_runner.can_run(out):  # decode-only, fits a bucket
-            logits = self.graph_runner.run(out)  # (num_rows, vocab), every row samples
+        if self.graph_runner is not None and self.graph_runner.can_run(out):  # decode rows only, fits a graph
+            logits = self.graph_runner.run(out, h)  # (num_tokens, vocab): every token of such a step is scored
             self.last_graph_bucket, self.last_graph_width = self.graph_runner.last_bucket, self.graph_runner.last_width
-            sample_rows = list(range(len(rows)))
         else:
-            input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
+            input_ids, positions, meta, logits_indices = self.inputs_from_host(h)
             hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (num_tokens, hidden)
-            last_token = meta.query_start_loc[1:] - 1  # (num_seqs,) index of each row's last token
-            result.prompt_logprobs = prompt_logprobs(rows, hidden, meta.query_start_loc, self.model.compute_logits)
-            if not sample_rows:
+            result.prompt_logprobs = prompt_logprobs(rows, hidden, h.row_starts, self.model.compute_logits)
+            if not h.sample_rows:
                 return result
-            if len(sample_rows) < len(rows):
-                last_token = last_token[torch.tensor(sample_rows, device=self.device)]
-            logits = self.model.compute_logits(hidden[last_token])  # (num_sampled, vocab)
+            logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=self.device)])
+        # (num_logits, vocab): one row per sampling row, k + 1 for a row verifying k drafts. Its last one samples.
+        last = [end - 1 for end in accumulate(1 + len(rows[i].spec_token_ids) for i in h.sample_rows)]
+        last_logits = logits if len(last) == logits.shape[0] else logits[torch.tensor(last, device=self.device)]
         # A request about to fork samples its n first tokens from its one row of logits.
-        seqs = [seq for i in sample_rows for seq in [rows[i].request, *rows[i].request.forks]]
-        if len(seqs) > len(sample_rows):
-            repeat = [j for j, i in enumerate(sample_rows) for _ in range(rows[i].request.num_seqs)]
-            logits = logits[torch.tensor(repeat, device=self.device)]  # (num_seqs, vocab)
-        self.sample(logits, seqs, result)
+        seqs = [seq for i in h.sample_rows for seq in [rows[i].request, *rows[i].request.forks]]
+        if len(seqs) > len(h.sample_rows):
+            repeat = [j for j, i in enumerate(h.sample_rows) for _ in range(rows[i].request.num_seqs)]
+            last_logits = last_logits[torch.tensor(repeat, device=self.device)]  # (num_seqs, vocab)
+        self.sample(last_logits, seqs, result)
+        if len(last) < logits.shape[0]:  # drafts to verify: which are kept, and the token after them
+            verify_drafts([rows[i] for i in h.sample_rows], last, logits, result, self.sampler, self._generator,
+                          self.spec_stats)
         return result
 
     def _generator(self, req):

@@ -43,17 +43,18 @@ class OutputProcessor:
             if sample_id in self.owner:
                 self.sample(sample_id).prompt_logprobs += map(self._decoded, entries)
 
-    def add_token(self, req: Request, logprobs: dict[int, Logprob] | None) -> str | None:
-        """Take the sample's newest token (and its log-probabilities, if asked). Returns the stop
-        string its text now contains, if any: the engine must finish the sample."""
-        token = req.token_ids[-1]
+    def add_token(self, req: Request, logprobs: dict[int, Logprob] | None, index: int = -1) -> str | None:
+        """Take the sample's token at `index` of its token ids (the newest by default; a step that accepted
+        drafts hands them over in order) and its log-probabilities, if asked. Returns the stop string its
+        text now contains, if any: the engine must finish the sample."""
+        token, last = req.token_ids[index], index in (-1, req.num_tokens - 1)
         if req.logprobs is not None:
             req.logprobs.append(self._decoded(logprobs))
             req.cumulative_logprob += logprobs[token].logprob
         detokenizer = self.detokenizers.get(req.request_id)
         if detokenizer is None:
             return None
-        detokenizer.add([token], finished=req.is_finished)
+        detokenizer.add([token], finished=req.is_finished and last)
         return detokenizer.stop_reason
 
     def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
@@ -91,7 +92,7 @@ class OutputProcessor:
             outputs.append(CompletionOutput(
                 sample.sample_index, text, sample.output_token_ids, sample.cumulative_logprob,
                 None if sample.logprobs is None else list(sample.logprobs), sample.finish_reason,
-                sample.stop_reason, sample.token_ids[-1:] if sample.request_id in got_token else []))
+                sample.stop_reason, sample.token_ids[-sample.num_new_tokens:] if sample.request_id in got_token else []))
         if finished:  # the request ends with its last sample
             first.metrics.finish_time = max(s.metrics.finish_time or 0.0 for s in samples) or None
         prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)

@@ -48,6 +48,8 @@ class Request:
         self.arrival_index = arrival_index  # order of arrival: FIFO key and tie-breaker
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache (0 again after recompute)
+        self.spec_token_ids: list[int] = []  # drafts its next decode verifies (spec_decode.py; vLLM's name)
+        self.num_new_tokens = 0  # tokens the last step that touched it appended: 1, or more with accepted drafts
         self.slot: int | None = None  # row of the batch it occupies while running (for pictures)
         # Stop ids: the model's EOS (unless ignored) and the user's stop tokens.
         self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
@@ -100,16 +102,20 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
-    def append_output_token(self, token: int) -> "RequestStatus | None":
-        """Append a sampled token; return the finished status it causes, if any (vLLM's check_stop).
-        A stop token (EOS, unless ignored, or one of the user's) stops first; then max_tokens, which
-        the config keeps within max_model_len."""
-        self.token_ids.append(token)
-        if token in self.stop_token_ids:
-            self.stop_reason = None if token in self.eos_token_ids else token  # vLLM: None for EOS
-            return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
+    def append_output_tokens(self, tokens: list[int]) -> "RequestStatus | None":
+        """Append one step's tokens (one; or the drafts it accepted, then the model's own) up to the first that
+        finishes the request, and return the finished status it causes, if any (vLLM's check_stop). A stop token
+        (EOS, unless ignored, or one of the user's) stops first; then max_tokens, which the config keeps within
+        max_model_len. `num_new_tokens` counts the tokens appended."""
+        self.num_new_tokens = 0
+        for token in tokens:
+            self.token_ids.append(token)
+            self.num_new_tokens += 1
+            if token in self.stop_token_ids:
+                self.stop_reason = None if token in self.eos_token_ids else token  # vLLM: None for EOS
+                return RequestStatus.FINISHED_STOPPED
+            if self.num_output_tokens >= self.params.max_tokens:
+                return RequestStatus.FINISHED_LENGTH
         return None
 
     @property

@@ -55,7 +55,7 @@ class Sampler:
             return None
         return torch.Generator(device=torch.device(device)).manual_seed(seed)
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
+    def shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._shared:
             self._shared[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._shared[device]
@@ -72,28 +72,29 @@ class Sampler:
         if not rows:  # the common all-greedy batch: one argmax, done
             return greedy
 
-        # Scale in float32 at least (bf16/fp16 lose too much), float64 stays float64.
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        device = logits.device
-        sampled = [params[i] for i in rows]
-        row_index = torch.tensor(rows, device=device)
-        temperature = torch.tensor([p.temperature for p in sampled], dtype=dtype, device=device)
-        rows_logits = logits[row_index].to(dtype)  # (m, vocab)
-        # Subtract each row's max first: the top token sits at exactly 0 and a tiny temperature
-        # sends the others to -inf, never to inf - inf = NaN (the clamp: 1e-50 is 0 in float32).
-        rows_logits = rows_logits - rows_logits.amax(dim=-1, keepdim=True)
-        scaled = rows_logits / temperature.clamp(min=torch.finfo(dtype).tiny)[:, None]
-
-        if any(p.min_p > 0 for p in sampled):
-            scaled = self._apply_min_p(scaled, sampled)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled):
-            scaled = self._apply_top_k_top_p(scaled, sampled)
-        probs = torch.softmax(scaled, dim=-1)  # (m, vocab); truncated tokens have probability 0
-
-        noise = self._exponential_noise(probs, [generators[i] for i in rows])
+        row_index = torch.tensor(rows, device=logits.device)
+        probs = self.probabilities(logits[row_index], [params[i] for i in rows])  # (m, vocab)
+        noise = self.exponential_noise(probs, [generators[i] for i in rows])
         tokens = greedy.clone()
         tokens[row_index] = (probs / noise).argmax(dim=-1)
         return tokens
+
+    def probabilities(self, logits: Tensor, params: list) -> Tensor:
+        """The distribution each row draws from: (m, vocab) logits of sampled rows (temperature > 0) -> (m, vocab)
+        probabilities after temperature, min-p, top-k and top-p; a truncated token has probability 0."""
+        # Scale in float32 at least (bf16/fp16 lose too much), float64 stays float64.
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        temperature = torch.tensor([p.temperature for p in params], dtype=dtype, device=logits.device)
+        # Subtract each row's max first: the top token sits at exactly 0 and a tiny temperature
+        # sends the others to -inf, never to inf - inf = NaN (the clamp: 1e-50 is 0 in float32).
+        logits = logits.to(dtype)
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+        scaled = logits / temperature.clamp(min=torch.finfo(dtype).tiny)[:, None]
+        if any(p.min_p > 0 for p in params):
+            scaled = self._apply_min_p(scaled, params)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            scaled = self._apply_top_k_top_p(scaled, params)
+        return torch.softmax(scaled, dim=-1)
 
     def _apply_min_p(self, scaled: Tensor, params: list) -> Tensor:
         """Set to -inf the tokens whose probability is below min_p times the row's top probability."""
@@ -126,12 +127,12 @@ class Sampler:
         keep_by_token = torch.empty_like(keep).scatter_(-1, sorted_ids, keep)
         return scaled.masked_fill(~keep_by_token, float("-inf"))
 
-    def _exponential_noise(self, probs: Tensor, generators: list) -> Tensor:
+    def exponential_noise(self, probs: Tensor, generators: list) -> Tensor:
         """Exp(1) noise (m, vocab): seeded rows from their own generator, the rest in one call."""
         uniform = torch.empty_like(probs)  # (m, vocab)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            shared = self._shared_generator(probs.device)
+            shared = self.shared_generator(probs.device)
             index = torch.tensor(unseeded, device=probs.device)
             uniform[index] = torch.rand(len(unseeded), probs.shape[1], dtype=probs.dtype,
                                         device=probs.device, generator=shared)

@@ -1,14 +1,13 @@
 """Scheduler: iteration-level scheduling, as in Orca (Yu et al., OSDI 2022) and vLLM.
 
-Every step the scheduler decides, from scratch, which requests run and how many tokens each
-gets. Finished requests leave at once and waiting ones take their slots in the next step, so
-the batch never waits for its longest member (continuous batching). One rule covers prefill,
-chunked prefill, decode and recompute: a request is given up to `num_tokens -
-num_computed_tokens` of its tokens, within a per-step token budget (`max_num_batched_tokens`).
-schedule() says in which order; when blocks run out, the request the policy would serve last is
-preempted, by recompute (free its blocks, prefill it again later) or by swap (copy them to CPU).
-With `batching="static"` the same machinery admits a batch only when the previous batch has
-completely finished, which is what static batching costs.
+Every step the scheduler decides, from scratch, which requests run and how many tokens each gets. Finished
+requests leave at once and waiting ones take their slots in the next step, so the batch never waits for its
+longest member (continuous batching). One rule covers prefill, chunked prefill, decode and recompute: a request
+is given up to `num_tokens - num_computed_tokens` of its tokens (a decode also its drafts, with speculative
+decoding), within a per-step token budget (`max_num_batched_tokens`). schedule() says in which order; when
+blocks run out, the request the policy would serve last is preempted, by recompute (free its blocks, prefill it
+again later) or by swap (copy them to CPU). With `batching="static"` the same machinery admits a batch only when
+the previous batch has completely finished, which is what static batching costs.
 """
 
 import bisect
@@ -53,8 +52,7 @@ class Scheduler:
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
         """Remove a request in any state and free all it holds. Returns it, or None if unknown.
         `status`: FINISHED_ABORTED (asked), FINISHED_ERROR (its inputs failed), FINISHED_STOPPED (stop string)."""
-        req = self.requests.get(request_id)
-        if req is not None:
+        if (req := self.requests.get(request_id)) is not None:
             self._finish(req, status)
         return req
 
@@ -80,14 +78,13 @@ class Scheduler:
         self.running.remove(req)
         self._release_slot(req)
         req.num_preemptions += 1
-        bm = self.block_manager
-        if self.config.preemption_mode == "swap" and bm.can_swap_out(req.request_id):
-            out.blocks_to_swap_out += bm.swap_out(req.request_id)
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(req.request_id):
+            out.blocks_to_swap_out += self.block_manager.swap_out(req.request_id)
             req.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, req, key=self.policy_key)
             out.swapped_out.append(req.request_id)
         else:  # recompute (also the fallback when the swap space is full)
-            bm.free(req.request_id)
+            self.block_manager.free(req.request_id)
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
             bisect.insort(self.waiting, req, key=self.policy_key)
@@ -98,9 +95,8 @@ class Scheduler:
         return max(reversed(self.running), key=self.policy_key)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """A waiting request that outranks a running one and cannot get in takes its place.
-        Runs before anything is scheduled (continuous batching only: a static batch is never
-        broken up), with the same admission test that step 3 will apply to it."""
+        """A waiting request that outranks a running one and cannot get in takes its place. Runs before anything
+        is scheduled (continuous batching only: a static batch is never broken up), with step 3's admission test."""
         while self.waiting and self.running:
             best = self.waiting[0]
             victim = self._lowest_ranked_running()
@@ -115,6 +111,9 @@ class Scheduler:
     def _num_new_tokens(self, req: Request, computed: int, budget: int) -> int:
         """Tokens to give `req` this step (0: it must wait for a larger budget)."""
         remaining = req.num_tokens - computed
+        if remaining == 1 and req.spec_token_ids and self.block_manager.can_allocate(  # a decode verifies its drafts
+                req.request_id, computed + 1 + len(req.spec_token_ids), num_computed=computed):  # if blocks are free
+            remaining += len(req.spec_token_ids)  # (nobody is preempted for a draft)
         if remaining > budget and not self.config.enable_chunked_prefill and req.num_output_tokens == 0:
             return 0  # without chunked prefill a prompt runs whole (a recompute may still be split)
         return min(remaining, budget)
@@ -129,14 +128,12 @@ class Scheduler:
         """"Admitted" means one thing: holding a slot, the request is given its first tokens (again, after a
         recompute). A static batch's members take their slots together and are admitted when they get tokens."""
         out.admitted.append(req.request_id)
-        if req.admitted_step is None:
-            req.admitted_step = out.step
+        req.admitted_step = req.admitted_step or out.step  # steps count from 1
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch: who runs, with how many tokens. Three phases, in this order,
-        each taking tokens from the one budget of `max_num_batched_tokens`:
-          1. running requests (decodes first, then prompts part-way through), preempting when
-             blocks run out;
+        """Decide this step's batch: who runs, with how many tokens. Three phases, in this order, each taking
+        tokens from the one budget of `max_num_batched_tokens`:
+          1. running requests (decodes first, then prompts part-way through), preempting when blocks run out;
           2. swapped requests coming back;
           3. waiting requests admitted by policy.
         The batch lists decode rows first, then prefill rows (the model runner relies on it)."""
@@ -157,9 +154,9 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[list[ScheduledRequest], int]:
-        """Phase 1: give every running request its next tokens, in policy order, decodes first.
-        When one needs a block and none is free, the running request the policy ranks last is
-        preempted (if it already got a row this step, the row and its tokens are taken back)."""
+        """Phase 1: give every running request its next tokens, in policy order, decodes first. When one needs a
+        block and none is free, the running request the policy ranks last is preempted (if it already got a row
+        this step, the row and its tokens are taken back)."""
         bm, rows = self.block_manager, {}
         ranked = sorted(self.running, key=self.policy_key)
         decoding = [r for r in ranked if r.num_tokens - r.num_computed_tokens == 1]
@@ -186,8 +183,8 @@ class Scheduler:
         return list(rows.values()), budget
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> tuple[list[ScheduledRequest], int]:
-        """Phase 2: swapped requests come back while they fit, unless a waiting request ranks
-        before them (a static batch's swapped members always come first: nobody else may join)."""
+        """Phase 2: swapped requests come back while they fit, unless a waiting request ranks before them (a
+        static batch's swapped members always come first: nobody else may join)."""
         c, bm, rows = self.config, self.block_manager, []
         while self.swapped and budget > 0 and self._has_seats(self.swapped[0]):
             req = self.swapped[0]
@@ -206,10 +203,9 @@ class Scheduler:
         return rows, budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> tuple[list[ScheduledRequest], int]:
-        """Phase 3: admit waiting requests in policy order while a slot, the blocks and the budget
-        allow. Static batching forms a new batch only when the previous one is done (its members
-        take their slots at once and may get their first tokens in later steps); until then only
-        the batch's own preempted members come back."""
+        """Phase 3: admit waiting requests in policy order while a slot, the blocks and the budget allow. Static
+        batching forms a new batch only when the previous one is done (its members take their slots at once and
+        may get their first tokens in later steps); until then only the batch's own preempted members come back."""
         c, bm, rows = self.config, self.block_manager, []
         forming = self._forming_batch()
         while self.waiting:
@@ -234,31 +230,35 @@ class Scheduler:
         return rows, budget
 
     def _forming_batch(self) -> bool:
-        """May new requests join? Always with continuous batching; with static batching only once
-        every member of the previous batch has finished (until then its preempted members return)."""
+        """May new requests join? Always with continuous batching; with static batching only once every member of
+        the previous batch has finished (until then its preempted members return)."""
         if self.config.batching == "continuous":
             return True
         self.static_batch &= self.requests.keys()
         return not self.static_batch
 
     # ------------------------------------------------------------------ after the model ran
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """Advance every scheduled request. `sampled_token_ids` holds one token for each row with
-        `do_sample`, in row order (n for a request that forks now: its own, then its forks'). Returns
-        the requests that received a token."""
-        samples = iter(sampled_token_ids)
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int],
+               accepted_drafts: dict[str, list[int]] | None = None) -> list[Request]:
+        """Advance every scheduled request. `sampled_token_ids` holds one token for each row with `do_sample`, in
+        row order (n for a request that forks now: its own, then its forks'). `accepted_drafts`: the drafts each
+        verifying row kept, which come before its sampled token. Returns the requests that received tokens."""
+        samples, accepted_drafts = iter(sampled_token_ids), accepted_drafts or {}
         touched = []
         for row in out.scheduled:
             req = row.request
             tokens = [next(samples) for _ in range(req.num_seqs if row.do_sample else 0)]
             if req.status.finished:  # aborted after schedule(): drop its tokens
                 continue
-            req.num_computed_tokens += row.num_tokens
+            drafts = accepted_drafts.get(req.request_id, [])  # kept: their K/V stays; the rest's is rolled back
+            req.num_computed_tokens += row.num_tokens - len(row.spec_token_ids) + len(drafts)
+            self.block_manager.free_tail(req.request_id, req.num_computed_tokens)  # blocks of rejected drafts only
             self.block_manager.cache_full_blocks(req)
-            for seq, token in zip([req, *self.fork(req)] if tokens else [], tokens):
+            news = [drafts + tokens[:1]] + [[t] for t in tokens[1:]]  # a verifying row's tokens, then forks' one each
+            for seq, new in zip([req, *self.fork(req)] if tokens else [], news):
                 if seq.is_finished:  # its own sampling failed (the engine stopped it)
                     continue
-                stop = seq.append_output_token(token)
+                stop = seq.append_output_tokens(new)
                 touched.append(seq)
                 seq.first_token_step = seq.first_token_step or out.step
                 if stop is not None:

@@ -15,23 +15,28 @@ class ScheduledRequest:
 
     request: Request
     start: int  # num_computed_tokens before this step = position of the first token fed
-    num_tokens: int  # tokens fed this step (a prompt chunk, or 1 for a decode)
+    num_tokens: int  # tokens fed this step (a prompt chunk; 1 for a decode, 1 + drafts for a verifying decode)
     is_prefill: bool
     do_sample: bool  # this step computes the request's last token, so a new token is sampled
     block_table: list[int]  # the request's live block table (read it during this step only)
     slot: int  # the batch row the request occupies while it runs
+    # drafts fed after its newest token, to verify (spec_decode.py; vLLM's name)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def make(cls, req: Request, num_tokens: int, block_table: list[int]) -> "ScheduledRequest":
-        """The row that feeds `req` its next `num_tokens` tokens; it samples if they reach its end."""
+        """The row that feeds `req` its next `num_tokens` tokens, then as many of its drafts as fit;
+        it samples if they reach its end."""
         start = req.num_computed_tokens
-        done = start + num_tokens == req.num_tokens
-        is_decode = done and num_tokens == 1 and req.num_output_tokens > 0
-        return cls(req, start, num_tokens, not is_decode, done, block_table, req.slot)
+        drafts = req.spec_token_ids[:max(0, start + num_tokens - req.num_tokens)]
+        done = start + num_tokens >= req.num_tokens
+        is_decode = done and num_tokens == 1 + len(drafts) and req.num_output_tokens > 0
+        return cls(req, start, num_tokens, not is_decode, done, block_table, req.slot, drafts)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.token_ids[self.start:self.start + self.num_tokens]
+        ids = self.request.token_ids[self.start:self.start + self.num_tokens]
+        return ids + self.spec_token_ids[:self.num_tokens - len(ids)]
 
 
 @dataclass

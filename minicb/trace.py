@@ -18,6 +18,8 @@ class RowRecord:
     num_tokens: int
     is_prefill: bool
     sampled: bool  # produced a token this step
+    num_drafts: int = 0  # speculative decoding: drafts this row verified (they are among its num_tokens)
+    num_accepted: int = 0  # and how many of them were kept (the row then yields num_accepted + 1 tokens)
 
 
 @dataclass
@@ -50,7 +52,8 @@ class StepRecord:
         return sum(1 for r in self.rows if r.is_prefill)
 
     def __repr__(self):
-        rows = " ".join(f"[{r.slot}]{r.request_id}:{'P' if r.is_prefill else 'D'}{r.num_tokens}" for r in self.rows)
+        rows = " ".join(f"[{r.slot}]{r.request_id}:{'P' if r.is_prefill else 'D'}{r.num_tokens}"
+                        + (f"({r.num_accepted}/{r.num_drafts} kept)" if r.num_drafts else "") for r in self.rows)
         events = " ".join(f"{k}={v}" for k, v in (("admit", self.admitted), ("preempt", self.preempted),
                           ("swap_out", self.swapped_out), ("swap_in", self.swapped_in),
                           ("finish", self.finished)) if v)
@@ -69,13 +72,16 @@ class Trace:
         self.steps: list[StepRecord] = []
 
     def record(self, scheduler, out, finished: list, graph_bucket: int | None = None,
-               duration: float | None = None, graph_width: int | None = None) -> StepRecord:
-        """Append the record of step `out.step`; call it after `scheduler.update`."""
+               duration: float | None = None, graph_width: int | None = None,
+               accepted_drafts: dict | None = None) -> StepRecord:
+        """Append the record of step `out.step`; call it after `scheduler.update`. `accepted_drafts`:
+        {request id: drafts kept} from speculative decoding."""
         bm = scheduler.block_manager
         rows, tables, frag = [], {}, 0
         for s in out.scheduled:
             req = s.request
-            rows.append(RowRecord(req.request_id, s.slot, s.start, s.num_tokens, s.is_prefill, s.do_sample))
+            rows.append(RowRecord(req.request_id, s.slot, s.start, s.num_tokens, s.is_prefill, s.do_sample,
+                                  len(s.spec_token_ids), len((accepted_drafts or {}).get(req.request_id, ()))))
             tables[req.request_id] = tuple(s.block_table)
             frag += len(s.block_table) * bm.block_size - (s.start + s.num_tokens)
         for req in scheduler.running:  # running but given no tokens this step

@@ -21,6 +21,7 @@ SHARED = [rng.randrange(2, 128) for _ in range(21)]
 PROMPTS = [[rng.randrange(2, 128) for _ in range(n)] for n in (1, 57, 9, 33, 4, 17)]
 PROMPTS += [SHARED + [5, 6, 7], SHARED + [9, 10]]
 MAX_TOKENS = [28, 5, 1, 17, 23, 9, 12, 14]
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -52,21 +53,29 @@ CONFIGS = {
     "no_chunked_prefill": dict(block_size=8, num_blocks=100, enable_chunked_prefill=False, max_num_batched_tokens=64),
     "two_slots_sjf": dict(block_size=4, num_blocks=100, max_num_seqs=2, scheduling_policy="sjf"),
     "static": dict(block_size=4, num_blocks=100, max_num_seqs=3, batching="static"),
+    # Speculative decoding: prompt-lookup drafts verified in the step (with block_size 1 every rejected draft
+    # frees a block; a budget of 7 trims drafts). A random model guesses badly: most drafts are rejected.
+    "spec_ngram": dict(block_size=4, num_blocks=200, speculative_config=SPEC),
+    "spec_block_size_1_tiny_budget": dict(block_size=1, num_blocks=400, max_num_batched_tokens=7,
+                                          speculative_config=SPEC),
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_transformers(model, name):
     loaded, refs, _ = model
-    tokens, _ = run(loaded, **CONFIGS[name])
+    tokens, trace = run(loaded, **CONFIGS[name])
     assert tokens == refs
+    if "speculative_config" in CONFIGS[name]:
+        assert any(r.num_drafts for s in trace for r in s.rows), "no draft was verified: the test did not test it"
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_outputs_exact(model, mode):
+@pytest.mark.parametrize("mode,spec", [("recompute", None), ("swap", None), ("recompute", SPEC)])
+def test_preemption_keeps_outputs_exact(model, mode, spec):
     loaded, refs, _ = model
     # 24 blocks of 4 tokens: the longest request needs 21 on its own, so the batch must preempt.
-    tokens, trace = run(loaded, block_size=4, num_blocks=24, max_num_batched_tokens=32, preemption_mode=mode)
+    tokens, trace = run(loaded, block_size=4, num_blocks=24, max_num_batched_tokens=32, preemption_mode=mode,
+                        speculative_config=spec)
     assert tokens == refs
     events = [r for s in trace for r in (s.preempted if mode == "recompute" else s.swapped_out)]
     assert events, f"no {mode} preemption happened: the test did not test it"

@@ -8,8 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from minicb.config import EngineConfig
 from minicb.outputs import CompletionOutput, RequestOutput
 from minicb.request import RequestMetrics
-from minicb.serve.metrics import (FINISH_REASONS, REQUEST_HISTOGRAMS, ServerMetrics, parse_metrics,
+from minicb.serve.metrics import (FINISH_REASONS, REQUEST_HISTOGRAMS, ServerMetrics, engine_stats, parse_metrics,
                                   scheduler_stats)
+from minicb.scheduler import Scheduler
 from minicb.sim import SimRequest, simulate
 
 VLLM_NAMES = {  # vLLM's V1 names (docs: "Production Metrics") and their types
@@ -141,7 +142,9 @@ def test_gauges_agree_with_a_real_scheduler(mode):
         p = parse_metrics(m.text())
         assert stats == dict(num_requests_running=len(sched.running), num_requests_waiting=len(sched.waiting),
                              num_requests_swapped=len(sched.swapped), kv_blocks_used=sched.block_manager.num_used_blocks,
-                             kv_blocks_free=sched.block_manager.num_free_blocks, kv_blocks_total=6, block_size=4)
+                             kv_blocks_free=sched.block_manager.num_free_blocks, kv_blocks_total=6, block_size=4,
+                             spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
+                             spec_decode_num_accepted_tokens=0)
         assert stats["kv_blocks_used"] + stats["kv_blocks_free"] == 6
         assert stats["num_requests_running"] + stats["num_requests_waiting"] + stats["num_requests_swapped"] \
             == len(sched.requests)
@@ -160,3 +163,23 @@ def test_gauges_agree_with_a_real_scheduler(mode):
         assert max(s["num_requests_swapped"] for s in seen) >= 1
     m.publish_gauges(scheduler_stats(res.scheduler))  # all done: every block free again
     assert (m.value("vllm:num_requests_running"), m.value("minicb:kv_blocks_free")) == (0, 6)
+
+
+def test_speculative_counters_follow_the_engines_totals():
+    """The engine reports totals; the counters add only what is new, so publishing twice counts nothing twice."""
+    from minicb.spec_decode import SpecDecodingStats
+
+    class Engine:  # what engine_stats reads
+        def __init__(self, scheduler, stats):
+            self.scheduler, self.runner = scheduler, type("Runner", (), {"spec_stats": stats})()
+
+    stats, m = SpecDecodingStats(), ServerMetrics("spec")
+    engine = Engine(Scheduler(EngineConfig(num_blocks=8)), stats)
+    stats.observe(4, 3)
+    m.publish_gauges(engine_stats(engine))
+    m.publish_gauges(engine_stats(engine))
+    stats.observe(4, 0)
+    m.publish_gauges(engine_stats(engine))
+    p = parse_metrics(m.text())
+    assert (p["vllm:spec_decode_num_drafts_total"], p["vllm:spec_decode_num_draft_tokens_total"],
+            p["vllm:spec_decode_num_accepted_tokens_total"]) == (2, 8, 3)

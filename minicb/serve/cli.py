@@ -1,6 +1,7 @@
 """Running the server: `python -m minicb serve` (its options), and ServerThread for tests and notebooks."""
 
 import argparse
+import json
 import threading
 import time
 
@@ -60,6 +61,9 @@ def add_engine_arguments(parser, max_num_seqs: int = 32) -> None:
     parser.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--use-cuda-graph", default="auto", choices=["auto", "true", "false"])
+    parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                        help='vLLM\'s dict, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 3}\'')
 
 
 def engine_config(args, model: str | None = None):
@@ -74,7 +78,8 @@ def engine_config(args, model: str | None = None):
                         calculate_kv_scales=args.calculate_kv_scales, tensor_parallel_size=args.tensor_parallel_size,
                         max_model_len=args.max_model_len, scheduling_policy=args.scheduling_policy,
                         batching=args.batching, preemption_mode=args.preemption_mode,
-                        enable_prefix_caching=args.enable_prefix_caching, use_cuda_graph=graphs)
+                        enable_prefix_caching=args.enable_prefix_caching, use_cuda_graph=graphs,
+                        speculative_config=args.speculative_config)
 
 
 def add_arguments(parser) -> None:

@@ -23,7 +23,7 @@ from ..input_processor import InputProcessor
 from ..output_processor import OutputProcessor
 from ..outputs import RequestOutput
 from ..request import Request, RequestStatus
-from .metrics import scheduler_stats
+from .metrics import engine_stats
 
 STEP_WAIT_S = 0.05  # step() waits this long for the core's next message, then lets the loop read its inbox
 
@@ -175,7 +175,7 @@ def run_engine_core(conn, config: EngineConfig, threads: int | None = None) -> N
         engine.output_processor = OutputProcessor(None)  # the API process detokenizes
         conn.send(("ready", {"config": engine.config, "tokenizer": engine.tokenizer, "model_name": engine.model_name,
                              "vocab_size": engine.vocab_size, "eos_token_ids": engine.eos_token_ids,
-                             "stats": scheduler_stats(engine.scheduler), "threads": torch.get_num_threads()}))
+                             "stats": engine_stats(engine), "threads": torch.get_num_threads()}))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -188,13 +188,13 @@ def run_engine_core(conn, config: EngineConfig, threads: int | None = None) -> N
                     return
                 _handle(engine, kind, args)
                 if kind != "add" and not engine.has_unfinished_requests():  # nothing to step: say what changed
-                    conn.send(("stats", scheduler_stats(engine.scheduler)))
+                    conn.send(("stats", engine_stats(engine)))
             outputs = engine.step()
             rec = engine.trace.steps[-1] if engine.config.record_trace and engine.trace.steps else None
             rows = len(rec.rows) if rec else 0
             preempted = len(rec.preempted) + len(rec.swapped_out) if rec else 0
             conn.send(("step", (_deltas(outputs), _new_prompt_logprobs(outputs, sent_prompt_logprobs),
-                                scheduler_stats(engine.scheduler), rows, preempted)))
+                                engine_stats(engine), rows, preempted)))
     except (EOFError, BrokenPipeError, OSError):  # the API process is gone
         return
     except Exception as e:  # a bug in the loop: tell the API process, which fails what is in flight

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from ..sampling_params import SamplingParams
 from .engine_core import RemoteEngine
-from .metrics import ServerMetrics, request_record, scheduler_stats
+from .metrics import ServerMetrics, engine_stats, request_record
 
 if TYPE_CHECKING:  # the engine pulls in torch; this module is imported by the CLI's --help
     from ..engine import Engine
@@ -273,7 +273,7 @@ class AsyncEngine:
         return (len(rec.rows), len(rec.preempted) + len(rec.swapped_out)) if rec else (len(outputs), 0)
 
     def _gauges(self) -> dict:
-        return self.engine.stats if isinstance(self.engine, RemoteEngine) else scheduler_stats(self.engine.scheduler)
+        return self.engine.stats if isinstance(self.engine, RemoteEngine) else engine_stats(self.engine)
 
     def metrics_text(self) -> str:
         return self.metrics.text()

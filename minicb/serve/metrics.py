@@ -37,6 +37,10 @@ Per finished request (record_finished: one observation per request, with its fir
                                  decode time / (tokens - 1): minicb's TPOT (minicb/metrics.py)
   vllm:inter_token_latency_seconds   every gap between two consecutive tokens (ITL); its tail shows
                                  the stalls that a request's mean hides
+Speculative decoding (publish_gauges, from the engine's totals; 0 when it is off):
+  vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens
+                                 rows that verified drafts, drafts verified, drafts accepted: the acceptance
+                                 rate is rate(accepted) / rate(draft tokens), as in vLLM's dashboards
 Admission (count_rejected):
   vllm:admission_rejections      requests refused because the server held max_num_seqs + max_waiting
                                  (HTTP 503), the rule of vLLM's --max-num-queued-reqs; vLLM adds a
@@ -57,6 +61,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..metrics import inter_token_latencies, mean_gap
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # SpecDecodingStats' totals
 # Bucket bounds: vLLM's, with finer ones below theirs where a tiny model on a CPU answers in milliseconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # seconds (vLLM's)
@@ -81,13 +86,20 @@ REQUEST_HISTOGRAMS = {
 }
 
 
-def scheduler_stats(scheduler) -> dict[str, int]:
-    """What the gauges show, read from a minicb Scheduler: plain ints, so that an engine running in
-    another process can send them (vLLM's engine core sends its SchedulerStats the same way)."""
+def scheduler_stats(scheduler, spec_stats=None) -> dict[str, int]:
+    """What the gauges show, read from a minicb Scheduler (and the runner's SpecDecodingStats): plain ints, so
+    that an engine running in another process can send them (vLLM's engine core sends its SchedulerStats and
+    SpecDecodingStats the same way). The speculative counters are totals since the engine started."""
     bm = scheduler.block_manager
+    spec = {f"spec_decode_{k}": getattr(spec_stats, k, 0) for k in SPEC_COUNTERS}
     return dict(num_requests_running=len(scheduler.running), num_requests_waiting=len(scheduler.waiting),
                 num_requests_swapped=len(scheduler.swapped), kv_blocks_used=bm.num_used_blocks,
-                kv_blocks_free=bm.num_free_blocks, kv_blocks_total=bm.num_blocks, block_size=bm.block_size)
+                kv_blocks_free=bm.num_free_blocks, kv_blocks_total=bm.num_blocks, block_size=bm.block_size, **spec)
+
+
+def engine_stats(engine) -> dict[str, int]:
+    """scheduler_stats of a minicb Engine: its scheduler's, with its speculative-decoding totals."""
+    return scheduler_stats(engine.scheduler, engine.runner.spec_stats)
 
 
 def request_record(out, stream_id: str, received_at: float) -> dict:
@@ -131,6 +143,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.gauges: dict[str, int] = {}  # the last dict given to publish_gauges
+        self.spec_seen: dict[str, int] = {}  # speculative decoding's totals as last published
         self._lock = threading.Lock()
         reg, label = self.registry, ["model_name"]
 
@@ -162,6 +175,8 @@ class ServerMetrics:
             self.success.labels(model_name, reason)
         self.rejections = counter("vllm:admission_rejections", "Requests refused: the server was full (HTTP 503).")
         self.per_request = {name: histogram(name, doc, buckets) for name, (doc, buckets) in REQUEST_HISTOGRAMS.items()}
+        self.spec = {k: counter(f"vllm:spec_decode_{k}", doc) for k, doc in zip(SPEC_COUNTERS, (
+            "Rows that verified drafts (speculative decoding).", "Draft tokens verified.", "Draft tokens accepted."))}
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two consecutive output tokens, "
                              "seconds.", TOKEN_GAP_BUCKETS)
 
@@ -211,6 +226,9 @@ class ServerMetrics:
             self.kv_usage.set(stats["kv_blocks_used"] / total if total else 0.0)
             self.cache_config.clear()  # one series, with the newest labels
             self.cache_config.labels(str(stats["block_size"]), str(total)).set(1)
+            for key, c in self.spec.items():  # totals in, counters out: add what is new since the last call
+                c.inc(max(0, stats.get(f"spec_decode_{key}", 0) - self.spec_seen.get(key, 0)))
+                self.spec_seen[key] = stats.get(f"spec_decode_{key}", 0)
 
     # ------------------------------------------------------------------ read by GET /metrics
     def text(self) -> str:
