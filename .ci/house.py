@@ -18,7 +18,9 @@ PACKAGE = ROOT / "minicb"
 ENGINE_LIMIT, FILE_LIMIT, METHOD_LIMIT = 2300, 300, 40
 # One step, as data flows: config -> requests -> scheduler (+ blocks) -> runner -> model (+ attention,
 # KV cache) -> sampler -> engine; the CUDA-graph decode is one way the runner can run the model. This is
-# vLLM's engine core. What turns its tokens into a user's outputs (output_processor, outputs,
+# vLLM's engine core. Setting it up once (worker.py: weights, KV sizing, graphs; weights.py: HF names) is not
+# a step, and speculative decoding's proposer and verifier (spec_decode, rejection_sampler) are optional
+# features like penalties and logprobs: the engine layer counts them, not this list. What turns its tokens into a user's outputs (output_processor, outputs,
 # detokenizer: vLLM runs them in its API-server process) and the optional per-request features
 # (penalties, logprobs) are engine modules too, counted in the engine layer's total, not here.
 ONE_STEP = ["config", "request", "sampling_params", "block_manager", "scheduler", "scheduler_output",

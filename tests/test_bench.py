@@ -119,3 +119,23 @@ def test_w1_table_separates_the_schedulers_gain_from_the_batch_size(capsys):
     out = capsys.readouterr().out
     assert "continuous vs static batching, both 16 slots: 2.5x" in out
     assert "64 slots vs 16, both continuous: 1.2x" in out
+
+
+def test_spec_bench_compares_the_same_outputs_and_prints_the_ratios(tmp_path, capsys):
+    """The speculative bench on a tiny model: both runs give the same tokens, the ratios are computed from
+    them, and the table prints a row per run; a proposer that changed an output would make it raise."""
+    from minicb.bench import spec
+    from minicb.loader import load_model, save_tiny_model
+
+    loaded = load_model(save_tiny_model(tmp_path, arch="llama", seed=1), dtype=torch.float32)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9]]
+    config = dict(spec.SPEC, prompt_lookup_min=1)  # one-token lookups: a random model's loops are drafted too
+    res = spec.compare(loaded, prompts, [24, 24], ignore_eos=True, repeats=1, cooldown_s=0, max_num_seqs=2,
+                       speculative_config=config)
+    off, on = res["off"], res["on"]
+    assert off["output_tokens"] == on["output_tokens"] == 48 and on["drafts"] > 0 and off["drafts"] == 0
+    assert res["step_ratio"] == off["decode_steps"] / on["decode_steps"]
+    assert res["speedup"] == on["throughput"] / off["throughput"]
+    spec.print_spec(dict(speculative_config=spec.SPEC, machine="test", results={"c1@2": res | dict(num_requests=2)}))
+    out = capsys.readouterr().out
+    assert "c1@2" in out and "fewer decode steps" in out and f"{on['acceptance_rate']:.0%}" in out

@@ -61,12 +61,14 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["", "spec"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_matches_transformers(model, name):
+def test_matches_transformers(model, name, spec):
+    """Every configuration, and every configuration again with speculative decoding on."""
     loaded, refs, _ = model
-    tokens, trace = run(loaded, **CONFIGS[name])
+    tokens, trace = run(loaded, **CONFIGS[name] | ({"speculative_config": spec} if spec else {}))
     assert tokens == refs
-    if "speculative_config" in CONFIGS[name]:
+    if spec or "speculative_config" in CONFIGS[name]:
         assert any(r.num_drafts for s in trace for r in s.rows), "no draft was verified: the test did not test it"
 
 

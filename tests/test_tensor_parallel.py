@@ -128,3 +128,17 @@ def test_an_fp8_cache_splits_too(loaded):
         assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
     finally:
         two.engine.shutdown()
+
+
+def test_speculative_decoding_over_two_processes_gives_the_tokens_of_one(loaded):
+    """Verifying rows are one attention row per token on every rank; rank 0 verifies, the workers only compute."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    greedy = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
+    expected = [o.outputs[0].token_ids for o in LLM.from_loaded(loaded, **TIGHT).generate(PROMPTS, greedy,
+                                                                                          use_tqdm=False)]
+    two = LLM.from_loaded(loaded, tensor_parallel_size=2, speculative_config=spec, **TIGHT)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, greedy, use_tqdm=False)] == expected
+        assert any(r.num_drafts for s in two.engine.trace for r in s.rows), "no draft was verified"
+    finally:
+        two.engine.shutdown()

@@ -1,4 +1,4 @@
-"""`python -m minicb bench --workload w1|w2|w3|all`: run the workloads defined in minicb/bench/__init__.py."""
+"""`python -m minicb bench --workload w1|w2|w3|spec|all`: run the workloads defined in minicb/bench/__init__.py."""
 
 
 import json
@@ -7,8 +7,9 @@ from .w3 import W3_SIZES, w3_table
 
 def add_arguments(parser) -> None:
     """Options of `python -m minicb bench`."""
-    parser.add_argument("--workload", choices=["w1", "w2", "w3", "all"], default="w3",
-                        help="w1: CPU chat side by side; w2: GPU offline (needs CUDA); w3: scheduler overhead")
+    parser.add_argument("--workload", choices=["w1", "w2", "w3", "spec", "all"], default="w3",
+                        help="w1: CPU chat side by side; w2: GPU offline (needs CUDA); w3: scheduler overhead; "
+                             "spec: speculative decoding on and off, on C1 (copy-heavy) and W1")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(W3_SIZES),
                         help="W3: numbers of running requests (default: 64 128 256 512)")
     parser.add_argument("--steps", type=int, default=200, help="W3: timed steps per size")
@@ -19,6 +20,7 @@ def add_arguments(parser) -> None:
                              "machine still slowed by the previous one (default 20)")
     parser.add_argument("--model", default=None, help="W2: model dir or hub id (default Qwen3-0.6B from the HF cache)")
     parser.add_argument("--figures-dir", default="figures", help="W1: where the comparison figure goes")
+    parser.add_argument("--repeats", type=int, default=2, help="spec: runs of each system, alternating (default 2)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
 
 
@@ -62,6 +64,11 @@ def main(args) -> None:
         results |= _w2(args)
     if args.workload in ("w1", "all"):
         results |= _w1(args)
+    if args.workload in ("spec", "all"):
+        from .spec import print_spec, run_spec_bench
+
+        results["spec"] = run_spec_bench(repeats=args.repeats)
+        print_spec(results["spec"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
