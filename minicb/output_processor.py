@@ -89,10 +89,11 @@ class OutputProcessor:
                 if sample.is_finished:
                     detokenizer.add([], finished=True)  # flush a character held back (an abort, an error)
                 text = detokenizer.visible_text(sample.is_finished)
+            new = sample.token_ids[sample.num_tokens - sample.num_new_tokens:] if sample.request_id in got_token else []
             outputs.append(CompletionOutput(
                 sample.sample_index, text, sample.output_token_ids, sample.cumulative_logprob,
                 None if sample.logprobs is None else list(sample.logprobs), sample.finish_reason,
-                sample.stop_reason, sample.token_ids[-sample.num_new_tokens:] if sample.request_id in got_token else []))
+                sample.stop_reason, new))
         if finished:  # the request ends with its last sample
             first.metrics.finish_time = max(s.metrics.finish_time or 0.0 for s in samples) or None
         prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)

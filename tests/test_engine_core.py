@@ -245,3 +245,30 @@ def test_the_core_process_runs_tensor_parallel_workers(model_dir):
 
 def _llm_fields():
     return {k: v for k, v in vars(config("x")).items() if k not in ("model",)}
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_speculative_steps_answer_the_same_across_the_pipe(model_dir, with_stop):
+    """With drafts a step sends several tokens of a sample at once; the API process must detokenize them in
+    order, stop at a stop string among them (dropping what follows, as the engine in process does), and count
+    exactly the tokens kept."""
+    local_engine, remote_engine = Engine(config(model_dir, speculative_config=SPEC)), \
+        RemoteEngine(config(model_dir, speculative_config=SPEC), core_threads=1)
+    with server(local_engine) as local, server(remote_engine) as remote:
+        body = {"prompt": "w10 w11", "max_tokens": 24, "temperature": 0, "ignore_eos": True}  # this model loops
+        free = local.post("/v1/completions", json=body).json()
+        words, prompt_len = free["choices"][0]["text"].split(), free["usage"]["prompt_tokens"]
+        # the first word of a step that kept 2 drafts or more: a stop string there leaves 2 tokens behind it
+        firsts = [r.start + 1 - prompt_len for s in local_engine.trace for r in s.rows if r.num_accepted >= 2]
+        assert firsts, "no step kept 2 drafts: the test did not test it"
+        if with_stop:  # a stop string that ends at word `at`, and nowhere before
+            at = firsts[0]
+            body["stop"] = [" ".join(words[:at + 1])]
+        a, b = local.post("/v1/completions", json=body).json(), remote.post("/v1/completions", json=body).json()
+        assert without_ids(a) == without_ids(b)
+        if with_stop:
+            assert a["choices"][0]["finish_reason"] == "stop" and a["usage"]["completion_tokens"] < 24
+        wait_until(lambda: remote_engine.stats["spec_decode_num_accepted_tokens"] > 0)

@@ -135,8 +135,10 @@ class RemoteEngine:
         if not new_token_ids:
             finished.append(sample)
             return
+        sample.num_new_tokens = 0  # several when the core kept drafts (speculative decoding)
         for token, entry in zip(new_token_ids, logprobs or [None] * len(new_token_ids)):
             sample.token_ids.append(token)
+            sample.num_new_tokens += 1
             sample.metrics.record_token(now)
             sample.metrics.first_token_time = sample.metrics.first_token_time or now
             stop_string = self.output_processor.add_token(sample, entry)
@@ -144,6 +146,7 @@ class RemoteEngine:
                 sample.status, sample.stop_reason, sample.metrics.finish_time = \
                     RequestStatus.FINISHED_STOPPED, stop_string, now
                 self._send("stop", sample_id)  # the core frees its blocks
+                break  # tokens past the stop string are dropped, as Engine._add_tokens drops them
         touched.append(sample)
 
     def _send(self, *message) -> None:
