@@ -113,7 +113,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         rid = req.request_id
-        start, end = self.num_hashed[rid], req.num_computed_tokens // self.block_size
+        # (a step's accepted drafts have K/V before update() appends them: their blocks are hashed next time)
+        start, end = self.num_hashed[rid], min(req.num_computed_tokens, req.num_tokens) // self.block_size
         if end <= start:
             return
         table, hashes = self.block_tables[rid], self._hashes(req, end)

@@ -124,8 +124,6 @@ class Engine:
                                         result.accepted_drafts)
         now = time.perf_counter()
         for req in touched:
-            for _ in range(req.num_new_tokens):  # more than one when drafts were accepted: they come out together
-                req.metrics.record_token(now)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             if req.is_finished:
@@ -134,6 +132,8 @@ class Engine:
                 self._add_tokens(req, result.logprobs.get(req.request_id))
             except Exception as e:  # e.g. its text cannot be decoded: it fails alone
                 self._fail(req.request_id, f"{type(e).__name__}: {e}")
+            for _ in range(req.num_new_tokens):  # more than one when drafts were accepted: they come out together
+                req.metrics.record_token(now)
         finished = self.scheduler.take_finished()
         if self.proposer is not None:  # drafts for the next step (spec_decode.py)
             propose_drafts(self.proposer, touched, finished)
@@ -146,8 +146,8 @@ class Engine:
         """Hand the step's new tokens to the output processor, one by one: the first that completes a stop string
         finishes the sample, and drafts accepted past it are dropped, as if they had never been generated."""
         for i in range(req.num_tokens - req.num_new_tokens, req.num_tokens):
-            stop_string = self.output_processor.add_token(req, logprobs, i)
-            if stop_string is not None and req.status != RequestStatus.FINISHED_STOPPED:
+            stop_string = self.output_processor.add_token(req, logprobs, i)  # a stop token on the last one wins
+            if stop_string is not None and (i < req.num_tokens - 1 or req.status != RequestStatus.FINISHED_STOPPED):
                 req.num_new_tokens -= req.num_tokens - 1 - i
                 del req.token_ids[i + 1:]
                 self._stop(req, stop_string)

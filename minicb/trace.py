@@ -80,10 +80,11 @@ class Trace:
         rows, tables, frag = [], {}, 0
         for s in out.scheduled:
             req = s.request
+            kept = len((accepted_drafts or {}).get(req.request_id, ()))
             rows.append(RowRecord(req.request_id, s.slot, s.start, s.num_tokens, s.is_prefill, s.do_sample,
-                                  len(s.spec_token_ids), len((accepted_drafts or {}).get(req.request_id, ()))))
-            tables[req.request_id] = tuple(s.block_table)
-            frag += len(s.block_table) * bm.block_size - (s.start + s.num_tokens)
+                                  len(s.spec_token_ids), kept))
+            tables[req.request_id] = tuple(s.block_table)  # rejected drafts' blocks are already given back
+            frag += len(s.block_table) * bm.block_size - (s.start + s.num_tokens - len(s.spec_token_ids) + kept)
         for req in scheduler.running:  # running but given no tokens this step
             if req.request_id not in tables:
                 tables[req.request_id] = tuple(bm.block_tables.get(req.request_id, ()))

@@ -17,6 +17,7 @@ from minicb.loader import load_model, save_tiny_model
 from minicb.request import Request
 from minicb.rejection_sampler import verify
 from minicb.sampler import Sampler
+from minicb.block_manager import hash_block
 from minicb.scheduler import Scheduler
 from minicb.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
 from reference import add_word_tokenizer
@@ -177,11 +178,16 @@ def test_oracle_drafts_are_kept_exactly_up_to_the_first_wrong_one(loaded):
     spoil = lambda call: [None, 0, 2, 1, None, 3][call % 6]  # every kind: all right, wrong first, wrong later
     seen = []
 
-    def check(eng):  # after every step: rejected drafts hold no block, the books balance
+    def check(eng):  # after every step: rejected drafts hold no block, the books balance, the hashes are right
         bm = eng.scheduler.block_manager
         bm.check_invariants()
+        assert eng.trace[-1].fragmentation >= 0
         for req in eng.scheduler.running:
             assert len(bm.block_tables[req.request_id]) == bm.blocks_for(req.num_computed_tokens)
+            chain = []  # the prefix-cache hash chain of its tokens, computed afresh
+            for i in range(len(req.block_hashes)):
+                chain.append(hash_block(chain[-1] if chain else None, tuple(req.token_ids[2 * i:2 * i + 2])))
+            assert req.block_hashes == chain and len(chain) <= req.num_computed_tokens // 2
         for r in eng.trace[-1].rows:
             if r.num_drafts:
                 assert r.num_accepted == eng.proposer.expected.pop((r.request_id, r.start))
@@ -206,7 +212,7 @@ def test_perfect_drafts_need_a_fifth_of_the_decode_steps(loaded):
     assert eng.runner.spec_stats.acceptance_rate == 1.0
 
 
-@pytest.mark.parametrize("how", ["stop_token", "stop_string", "max_tokens"])
+@pytest.mark.parametrize("how", ["stop_token", "stop_string", "max_tokens", "stop_string_then_stop_token"])
 def test_stopping_inside_accepted_drafts_is_like_without(loaded, how):
     """A stop token, a stop string or max_tokens reached in the middle of the drafts a step accepts: the output
     ends exactly where decoding one token at a time ends, and the drafts past it are dropped."""
@@ -214,13 +220,18 @@ def test_stopping_inside_accepted_drafts_is_like_without(loaded, how):
     free = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
     cut = 6  # the 7th token: inside the second step's drafts (tokens 2..6 come from one verification)
+    word = llm.get_tokenizer().decode([free.token_ids[cut]])
+    assert free.token_ids[cut + 2] not in free.token_ids[:cut + 1]
     kw = {"stop_token": dict(stop_token_ids=[free.token_ids[cut]]), "max_tokens": dict(max_tokens=cut + 1),
-          "stop_string": dict(stop=[llm.get_tokenizer().decode([free.token_ids[cut]])])}[how]
+          "stop_string": dict(stop=[word]),  # and below: a stop token two tokens later, in the same step
+          "stop_string_then_stop_token": dict(stop=[word], stop_token_ids=[free.token_ids[cut + 2]])}[how]
     params = SamplingParams(temperature=0, **({"max_tokens": 30} | kw))
     want = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
     spec = LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=200, speculative_config=SPEC)
     spec.engine.proposer = Oracle({tuple(PROMPTS[0]): free.token_ids}, 4, lambda c: None)
-    got = spec.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    out = spec.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    got = out.outputs[0]
+    assert len(out.metrics.token_times) == len(got.token_ids)  # one time per token kept, none for dropped drafts
     assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
            (want.token_ids, want.text, want.finish_reason, want.stop_reason)
     assert len(got.token_ids) <= cut + 1 and any(r.num_accepted > 1 for s in spec.engine.trace for r in s.rows)

@@ -129,24 +129,28 @@ class RemoteEngine:
         sample = self.output_processor.sample(sample_id)
         if sample is None or sample.is_finished:  # aborted or stopped here already
             return
-        if status is not None:
-            sample.status, sample.stop_reason, sample.error = RequestStatus(status), stop_reason, error
-            sample.metrics.finish_time = now
-        if not new_token_ids:
-            finished.append(sample)
-            return
         sample.num_new_tokens = 0  # several when the core kept drafts (speculative decoding)
-        for token, entry in zip(new_token_ids, logprobs or [None] * len(new_token_ids)):
+        for i, (token, entry) in enumerate(zip(new_token_ids, logprobs or [None] * len(new_token_ids))):
             sample.token_ids.append(token)
             sample.num_new_tokens += 1
             sample.metrics.record_token(now)
             sample.metrics.first_token_time = sample.metrics.first_token_time or now
+            last = i == len(new_token_ids) - 1
+            if last and status is not None:  # the core finished it with this token (a stop token wins, as there)
+                sample.status, sample.stop_reason, sample.error = RequestStatus(status), stop_reason, error
+                sample.metrics.finish_time = now
             stop_string = self.output_processor.add_token(sample, entry)
-            if stop_string is not None and sample.status != RequestStatus.FINISHED_STOPPED:
+            if stop_string is not None and not (last and sample.status == RequestStatus.FINISHED_STOPPED):
                 sample.status, sample.stop_reason, sample.metrics.finish_time = \
                     RequestStatus.FINISHED_STOPPED, stop_string, now
                 self._send("stop", sample_id)  # the core frees its blocks
                 break  # tokens past the stop string are dropped, as Engine._add_tokens drops them
+        if not new_token_ids:
+            if status is not None:
+                sample.status, sample.stop_reason, sample.error = RequestStatus(status), stop_reason, error
+                sample.metrics.finish_time = now
+            finished.append(sample)
+            return
         touched.append(sample)
 
     def _send(self, *message) -> None:
