@@ -38,6 +38,7 @@ import time
 import torch
 
 from .attention import AttentionMetadata, cache_locations, pad_tables
+from .config import cdiv
 from .graph_safety import NoHostReads
 from .model_runner import host_inputs
 from .paged_flash import page_pairs
@@ -181,7 +182,7 @@ class DecodeGraphRunner:
     def can_run(self, out) -> bool:
         """True for a step of decode rows only (verifying rows included: one graph row per token) that fits a graph."""
         rows, bs = out.scheduled, self.block_size
-        width = max((-(-(r.start + r.num_tokens) // bs) for r in rows), default=0)  # table columns it reads
+        width = max((cdiv(r.start + r.num_tokens, bs) for r in rows), default=0)  # table columns it reads
         return (all(not r.is_prefill and r.do_sample for r in rows) and
                 self.graph_for(sum(r.num_tokens for r in rows), width) is not None)
 

@@ -243,8 +243,7 @@ class Scheduler:
         """Advance every scheduled request. `sampled_token_ids` holds one token for each row with `do_sample`, in
         row order (n for a request that forks now: its own, then its forks'). `accepted_drafts`: the drafts each
         verifying row kept, which come before its sampled token. Returns the requests that received tokens."""
-        samples, accepted_drafts = iter(sampled_token_ids), accepted_drafts or {}
-        touched = []
+        samples, accepted_drafts, touched = iter(sampled_token_ids), accepted_drafts or {}, []
         for row in out.scheduled:
             req = row.request
             tokens = [next(samples) for _ in range(req.num_seqs if row.do_sample else 0)]
@@ -252,7 +251,8 @@ class Scheduler:
                 continue
             drafts = accepted_drafts.get(req.request_id, [])  # kept: their K/V stays; the rest's is rolled back
             req.num_computed_tokens += row.num_tokens - len(row.spec_token_ids) + len(drafts)
-            self.block_manager.free_tail(req.request_id, req.num_computed_tokens)  # blocks of rejected drafts only
+            if row.spec_token_ids:  # blocks that held only rejected drafts go back (not a cost every row pays)
+                self.block_manager.free_tail(req.request_id, req.num_computed_tokens)
             self.block_manager.cache_full_blocks(req)
             news = [drafts + tokens[:1]] + [[t] for t in tokens[1:]]  # a verifying row's tokens, then forks' one each
             for seq, new in zip([req, *self.fork(req)] if tokens else [], news):

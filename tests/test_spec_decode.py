@@ -324,3 +324,27 @@ def test_sampling_with_drafts_keeps_the_distribution(loaded):
     a, b = (torch.bincount(x, minlength=128).double() / n for x in second)
     se = ((a * (1 - a) + b * (1 - b)) / n).sqrt()
     assert ((a - b).abs() <= 5 * se + 1e-9).all(), (a[a > 0], b[b > 0])
+
+
+def test_the_draft_figures_draw_what_the_trace_says(loaded):
+    """draft_slots writes one label per row in view and frames exactly the rows that rejected a draft;
+    speculation_runs counts the kept drafts of every verifying row."""
+    from matplotlib.patches import Rectangle
+
+    from minicb.viz.speculation import draft_slots, speculation_runs, tokens_yielded
+
+    _, off = generate(loaded, block_size=4, num_blocks=200)
+    _, on = generate(loaded, block_size=4, num_blocks=200, speculative_config=SPEC,
+                     oracle_spoil=lambda c: [None, 1][c % 2])
+    fig = draft_slots(on.trace, steps=(1, 8))
+    ax = fig.axes[0]
+    rows = [r for s in on.trace.steps if s.step <= 8 for r in s.rows]
+    labels = [t.get_text() for t in ax.texts]
+    assert labels == [f"{r.request_id}\n+{tokens_yielded(r)}" + (f"\n{r.num_accepted}/{r.num_drafts}" if r.num_drafts
+                                                                 else "") for r in rows]
+    frames = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_edgecolor()[0] > 0.7 and p.get_fill() is False
+              and p.get_linewidth() > 1]
+    assert len(frames) == sum(r.num_accepted < r.num_drafts for r in rows) > 0
+    bars = speculation_runs(off.trace, on.trace, k=4).axes[1].patches
+    assert [b.get_height() for b in bars] == [sum(r.num_accepted == j for s in on.trace for r in s.rows if r.num_drafts)
+                                              for j in range(5)]

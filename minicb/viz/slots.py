@@ -17,8 +17,9 @@ from .style import IDLE, frame_step, new_axes, steps_extent, trace_colors
 
 
 def slot_occupancy(trace: Trace, title: str | None = None, ax=None, max_labels: int = 400,
-                   steps: tuple[int, int] | None = None, highlight_step: int | None = None):
-    """Which request sat in which slot at every step. `steps=(a, b)` zooms on steps a..b."""
+                   steps: tuple[int, int] | None = None, highlight_step: int | None = None, labels: bool = True):
+    """Which request sat in which slot at every step. `steps=(a, b)` zooms on steps a..b. `labels=False`
+    leaves the cells blank, for a caller that writes its own (viz.speculation.draft_slots)."""
     colors, n = trace_colors(trace), len(trace.steps)
     fig, ax, own = new_axes(ax, (min(16, 4 + 0.12 * n), min(9, 1.5 + 0.35 * trace.max_num_seqs)))
     img = np.tile(IDLE, (trace.max_num_seqs, max(n, 1), 1))  # (slots, steps, RGBA)
@@ -39,7 +40,7 @@ def slot_occupancy(trace: Trace, title: str | None = None, ax=None, max_labels: 
         else:
             runs.setdefault((r.slot, r.request_id), []).append([s.step, s.step])
     per_cell = len(visible) <= max_labels and hi - lo <= 60
-    for (slot, rid), stretches in runs.items():
+    for (slot, rid), stretches in runs.items() if labels else ():
         color = "white" if sum(colors[rid][:3]) < 1.3 else "black"  # readable on dark and light hues
         for a, b in stretches:
             if per_cell:

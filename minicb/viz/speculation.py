@@ -11,7 +11,10 @@ import numpy as np
 from matplotlib.patches import Patch, Rectangle
 
 from ..trace import Trace
-from .style import IDLE, new_axes, steps_extent, trace_colors
+from .slots import slot_occupancy
+from .style import trace_colors
+
+REJECTED = "#c44e52"  # the frame of a row that rejected a draft
 
 
 def tokens_yielded(row) -> int:
@@ -20,39 +23,24 @@ def tokens_yielded(row) -> int:
 
 
 def draft_slots(trace: Trace, steps: tuple[int, int] | None = None, title: str | None = None, ax=None):
-    """Which request sat in which slot at each step, and what each step gave it. Hatched: a prompt chunk;
-    a red frame: a row whose drafts were not all kept."""
-    colors, lo = trace_colors(trace), steps[0] if steps else 1
-    hi = steps[1] if steps else (trace.steps[-1].step if trace.steps else 1)
-    shown = [s for s in trace.steps if lo <= s.step <= hi]
-    fig, ax, own = new_axes(ax, (min(16, 3 + 0.55 * len(shown)), 1.2 + 0.45 * trace.max_num_seqs))
-    img = np.tile(IDLE, (trace.max_num_seqs, max(len(trace.steps), 1), 1))  # (slots, steps, RGBA)
-    for j, s in enumerate(trace.steps):
-        for r in s.rows:
-            img[r.slot, j] = colors[r.request_id]
-    ax.imshow(img, aspect="auto", interpolation="nearest", extent=steps_extent(trace, trace.max_num_seqs))
-    for s in shown:
-        for r in s.rows:
-            dark = sum(colors[r.request_id][:3]) < 1.3
-            if r.is_prefill and not r.num_drafts:
-                ax.add_patch(Rectangle((s.step - 0.5, r.slot - 0.5), 1, 1, fill=False, hatch="///",
-                                       edgecolor=(0, 0, 0, 0.45), linewidth=0))
+    """slot_occupancy, with what each step gave each request written in its cell, and a red frame on a row
+    whose drafts were not all kept."""
+    fig = slot_occupancy(trace, title=title or "What each step gave each request: +tokens, and drafts kept / proposed",
+                         ax=ax, steps=steps, labels=False)
+    ax = ax or fig.axes[0]
+    colors, (lo, hi) = trace_colors(trace), ax.get_xlim()
+    for s in trace.steps:
+        for r in (r for r in s.rows if lo < s.step < hi):
             label = f"{r.request_id}\n+{tokens_yielded(r)}"
             label += f"\n{r.num_accepted}/{r.num_drafts}" if r.num_drafts else ""
-            ax.text(s.step, r.slot, label, ha="center", va="center", fontsize=6.5, color="white" if dark else "black")
-            if r.num_drafts and r.num_accepted < r.num_drafts:
-                ax.add_patch(Rectangle((s.step - 0.46, r.slot - 0.46), 0.92, 0.92, fill=False, edgecolor="#c44e52",
+            ax.text(s.step, r.slot, label, ha="center", va="center", fontsize=6.5,
+                    color="white" if sum(colors[r.request_id][:3]) < 1.3 else "black")
+            if r.num_accepted < r.num_drafts:
+                ax.add_patch(Rectangle((s.step - 0.46, r.slot - 0.46), 0.92, 0.92, fill=False, edgecolor=REJECTED,
                                        linewidth=1.6))
-    ax.vlines(np.arange(lo, hi) + 0.5, -0.5, trace.max_num_seqs - 0.5, color="white", linewidth=0.6)
-    ax.hlines(np.arange(trace.max_num_seqs - 1) + 0.5, lo - 0.5, hi + 0.5, color="white", linewidth=0.8)
-    ax.set(xlim=(lo - 0.5, hi + 0.5), xlabel="step", ylabel="slot", yticks=range(trace.max_num_seqs))
-    ax.set_title(title or "What each step gave each request: +tokens, and drafts kept / proposed")
-    ax.legend(handles=[Patch(facecolor="lightgray", hatch="///", label="prompt chunk"),
-                       Patch(facecolor="white", edgecolor="#c44e52", linewidth=1.6, label="a draft rejected"),
-                       Patch(facecolor="white", edgecolor="gray", label="idle")],
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    if own:
-        fig.tight_layout()
+    ax.add_artist(ax.get_legend())  # slot_occupancy's legend stays, this one goes below it
+    ax.legend(handles=[Patch(facecolor="white", edgecolor=REJECTED, linewidth=1.6, label="a draft rejected")],
+              loc="lower left", bbox_to_anchor=(1.01, 0), fontsize=8, frameon=False)
     return fig
 
 
