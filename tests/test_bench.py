@@ -85,7 +85,7 @@ FLOOR = dict(floor_s=9.1, binding="compute", flops={"total": 1.74e12}, gemm_peak
 
 
 def test_w1_table_names_both_peaks(capsys):
-    from minicb.bench.w1 import print_w1
+    from minicb.bench.w1_report import print_w1
 
     row = dict(name="minicb continuous (64 slots)", throughput=300.0, wall_s=13.0, ttft_p50=1.0, ttft_p99=1.5,
                tpot_p50=0.1, tpot_p99=0.2, peak_mem_mib=5, slot_utilization=0.24, achieved_gflops=80.0,
@@ -104,7 +104,7 @@ def test_w1_table_names_both_peaks(capsys):
 
 def test_w1_table_separates_the_schedulers_gain_from_the_batch_size(capsys):
     """Continuous vs static at the same 16 slots is the scheduler's gain; 64 vs 16 slots is the batch."""
-    from minicb.bench.w1 import print_w1
+    from minicb.bench.w1_report import print_w1
 
     def row(key, name, tok_s):
         return dict(key=key, name=name, throughput=tok_s, wall_s=10.0, ttft_p50=1.0, ttft_p99=1.5, tpot_p50=0.1,

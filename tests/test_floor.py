@@ -64,3 +64,43 @@ def test_the_floor_is_the_larger_of_compute_and_the_sequential_chain(loaded):
 def test_memory_bandwidth_is_measured():
     bw = floor.memory_bandwidth(nbytes=16 * 2**20, repeats=2)
     assert 1e8 < bw < 1e13  # between 0.1 GB/s and 10 TB/s: a real measurement of a real machine
+
+
+def test_workload_passes_batch_every_prompt_then_every_unfinished_request():
+    # prompts of 3 and 5 tokens in passes of 4; outputs of 4 and 1 tokens: the first token of each comes
+    # from the prefill (one LM head row per request), then decode steps 1..3 hold only the 4-token request
+    assert floor.workload_passes([3, 5], [4, 1], chunk=4) == [(4, 0), (4, 2), (1, 1), (1, 1), (1, 1)]
+    passes = floor.workload_passes([10] * 4, [2, 3, 3, 6], chunk=512)
+    assert passes == [(40, 4), (4, 4), (3, 3), (1, 1), (1, 1), (1, 1)]  # step s holds every output longer than s
+    assert sum(n for _, n in passes) == 2 + 3 + 3 + 6  # one LM head row per output token
+
+
+def test_interpolate_is_exact_at_the_points_linear_between_and_proportional_beyond():
+    points = {1: 1.0, 4: 2.5, 8: 3.0}
+    assert [floor.interpolate(points, x) for x in (1, 4, 8)] == [1.0, 2.5, 3.0]
+    assert floor.interpolate(points, 2) == pytest.approx(1.5)
+    assert floor.interpolate(points, 6) == pytest.approx(2.75)
+    assert floor.interpolate(points, 16) == pytest.approx(6.0)
+
+
+def test_kernel_floor_prices_each_pass_at_its_own_batch_size():
+    times = {"layers": {1: 0.01, 64: 0.1, 512: 0.8}, "lm_head": {1: 0.002, 64: 0.02}}
+    passes = [(512, 0), (100, 64), (64, 64), (1, 1)]
+    got = floor.kernel_floor(passes, times)
+    assert got["layers_s"] == pytest.approx(0.8 + 0.1 + (0.1 + 0.7 * 36 / 448) + 0.01)
+    assert got["lm_head_s"] == pytest.approx(0.02 + 0.02 + 0.002)
+    assert got["kernel_s"] == pytest.approx(got["layers_s"] + got["lm_head_s"]) and got["passes"] == 4
+
+
+def test_linear_passes_time_every_layer_linear_and_the_head_apart(loaded):
+    model = CausalLM.from_hf(loaded.hf_config, loaded.state_dict, torch.float32, "cpu")
+    calls = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda mod, args, out: calls.append((mod, args[0].shape[0])))
+    times = floor.time_linear_passes(model, rows=(1, 8), runs=1)
+    assert set(times) == {"layers", "lm_head"} and set(times["layers"]) == {1, 8}
+    assert all(t > 0 for part in times.values() for t in part.values())
+    layer_calls = [(m, n) for m, n in calls if m is not model.lm_head]
+    assert len({id(m) for m, _ in layer_calls}) == 4 * loaded.hf_config.num_hidden_layers  # qkv, o, gate_up, down
+    assert {n for _, n in layer_calls} == {1, 8} and {n for m, n in calls if m is model.lm_head} == {1, 8}

@@ -42,7 +42,8 @@ def _w2(args) -> dict:
 def _w1(args) -> dict:
     from pathlib import Path
 
-    from .w1 import COMPETITORS, print_w1, run_w1, w1_figure
+    from .w1 import COMPETITORS, run_w1
+    from .w1_report import print_w1, w1_figure
 
     report = run_w1(competitors=args.competitors or COMPETITORS, cooldown_s=args.cooldown)
     for r in report["results"]:

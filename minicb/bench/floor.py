@@ -63,3 +63,61 @@ def workload_floor(loaded, prompt_lens, output_lens, gemm_peak_flops: float, ban
     return dict(flops=flops, compute_s=compute, sequential_s=sequential, floor_s=max(compute, sequential),
                 binding="compute" if compute >= sequential else "sequential", longest_output=max(output_lens),
                 weight_bytes=weight_nbytes, bandwidth=bandwidth, gemm_peak_flops=gemm_peak_flops)
+
+
+# ------------------------------------------------------------------------------- the kernels' floor
+# The two floors above assume the GEMM runs at its best square-matrix speed at every batch size. The
+# linears of a decode step are skinny products (a few rows against every weight), which no library
+# runs at that speed. The kernels' floor prices the workload's own products on the kernels the model
+# really calls, timed here: it says how much of the floor is reachable by any system calling them.
+PASS_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes at which one pass through the linears is timed
+
+
+def workload_passes(prompt_lens: list[int], output_lens: list[int], chunk: int = 512) -> list[tuple[int, int]]:
+    """The workload's forward passes batched as fully as it allows, as (rows through the layers, rows
+    through the LM head): every prompt token in passes of `chunk` tokens (their requests' first tokens
+    from one LM head call of one row per request), then decode step s = 1, 2, ... holding every request
+    that still has more than s tokens to produce. No schedule has fewer or fuller passes."""
+    total = sum(prompt_lens)
+    passes = [(min(chunk, total - start), 0) for start in range(0, total, chunk)]
+    passes[-1] = (passes[-1][0], len(prompt_lens))
+    for s in range(1, max(output_lens)):
+        rows = sum(o > s for o in output_lens)
+        passes.append((rows, rows))
+    return passes
+
+
+def interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear through (rows, seconds) points; beyond the last, in proportion to rows."""
+    xs = sorted(points)
+    if x >= xs[-1]:
+        return points[xs[-1]] * x / xs[-1]
+    lo = max((p for p in xs if p <= x), default=xs[0])
+    hi = min(p for p in xs if p >= x)
+    return points[lo] if hi == lo else points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+
+
+def time_linear_passes(model, rows=PASS_ROWS, runs: int = 3) -> dict[str, dict[int, float]]:
+    """Seconds of one pass through the model's linears, as it calls them (each on the kernel chosen for
+    it), at each number of rows: "layers" every linear of every layer in order (the weights stream from
+    memory as in a forward pass), "lm_head" the LM head alone."""
+    import torch
+
+    from ..cpu_kernels import best_time
+
+    head = model.lm_head
+    linears = [m for m in model.modules() if hasattr(m, "in_features") and m is not head]
+    times = {"layers": {}, "lm_head": {}}
+    with torch.inference_mode():
+        for n in rows:
+            inputs = {m.in_features: torch.randn(n, m.in_features) for m in (*linears, head)}
+            times["layers"][n] = best_time(lambda: [m(inputs[m.in_features]) for m in linears], runs=runs)
+            times["lm_head"][n] = best_time(lambda: head(inputs[head.in_features]), runs=runs)
+    return times
+
+
+def kernel_floor(passes: list[tuple[int, int]], times: dict[str, dict[int, float]]) -> dict:
+    """The linears' time of `passes` (workload_passes) at the measured per-pass times (time_linear_passes)."""
+    layers = sum(interpolate(times["layers"], n) for n, _ in passes if n)
+    head = sum(interpolate(times["lm_head"], n) for _, n in passes if n)
+    return dict(kernel_s=layers + head, layers_s=layers, lm_head_s=head, passes=len(passes), times=times)

@@ -22,8 +22,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from ..cpu_kernels import describe, gemm_peaks
-from .floor import memory_bandwidth, workload_floor
+from ..cpu_kernels import gemm_peaks
+from .floor import kernel_floor, memory_bandwidth, time_linear_passes, workload_floor, workload_passes
 from ..llm import chat_token_ids
 from ..metrics import mean_gap, percentile, tpot
 from ..sampling_params import SamplingParams
@@ -172,6 +172,16 @@ def decode_step_roofline(loaded, batch: int = 64, context: int = 100, steps: int
     return dict(batch=batch, context=context, step_ms=1000 * step, gflops=flops / step / 1e9)
 
 
+def linears_as_minicb_runs_them(loaded, cpu_kernels: dict):
+    """The model in float32 on the CPU with each linear on the kernel the engine chose (cpu_kernels.py)."""
+    import torch
+
+    from ..cpu_kernels import use_kernels
+    from ..model import CausalLM
+
+    return use_kernels(CausalLM.from_hf(loaded.hf_config, loaded.state_dict, torch.float32, "cpu"), cpu_kernels)
+
+
 COMPETITORS = ("hf_static", "hf_continuous", "minicb_static", "minicb_continuous_16", "minicb_continuous")
 
 
@@ -218,6 +228,8 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
     peaks = gemm_peaks()
     peak = max(peaks.values())
     floor = workload_floor(loaded, [len(p) for p in prompts], outs, peak * 1e9, memory_bandwidth())
+    floor["kernels"] = kernel_floor(workload_passes([len(p) for p in prompts], outs),
+                                    time_linear_passes(linears_as_minicb_runs_them(loaded, cpu_kernels)))
     flops_per_token = 2 * loaded.num_params
     for r in results:
         r["achieved_gflops"] = r["throughput"] * flops_per_token / 1e9
@@ -228,69 +240,3 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
                 num_requests=num_requests, output_tokens=sum(outs), prompt_tokens=sum(map(len, prompts)),
                 gemm_peak_gflops=peak, gemm_peaks=peaks, flops_per_token=flops_per_token, results=results,
                 decode_step=decode_step_roofline(loaded, batch=64) | {"gemm_peak_gflops": peak})
-
-
-def print_w1(report: dict, print_fn=print) -> None:
-    ms = lambda x: f"{1000 * x:7.0f}"
-    print_fn(f"\nW1 on {report['machine']}: {report['num_requests']} requests, {report['prompt_tokens']} prompt "
-             f"and {report['output_tokens']} output tokens")
-    print_fn(f"{'system':<42}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>9}{'p99':>8}{'TPOT p50':>9}{'p99':>8}"
-             f"{'mem MiB':>8}{'slots':>7}{'of floor':>9}")
-    for r in report["results"]:
-        util = f"{r['slot_utilization']:.0%}" if "slot_utilization" in r else "-"
-        print_fn(f"{r['name']:<42}{r['throughput']:8.1f}{r['wall_s']:8.1f}{ms(r['ttft_p50'])}ms{ms(r['ttft_p99'])}"
-                 f"{ms(r['tpot_p50'])}ms{ms(r['tpot_p99'])}{r['peak_mem_mib']:8.0f}{util:>7}"
-                 f"{r['floor_fraction']:9.0%}")
-    f = report["floor"]
-    print_fn(f"the machine's floor for W1: {f['floor_s']:.1f} s ({f['binding']} binds): compute "
-             f"{f['flops']['total'] / 1e12:.2f} TFLOP / {f['gemm_peak_flops'] / 1e9:.0f} GFLOP/s = {f['compute_s']:.1f} s; "
-             f"sequential {f['longest_output']} passes x {f['weight_bytes'] / 1e6:.0f} MB of weights / "
-             f"{f['bandwidth'] / 1e9:.1f} GB/s = {f['sequential_s']:.1f} s. 'of floor' = floor / wall time")
-    if report.get("cpu_kernels"):
-        print_fn(f"minicb's linears (chosen by timing on this machine): {describe(report['cpu_kernels'])}")
-    by_key = {r.get("key"): r for r in report["results"]}
-    for a, b, what in (("minicb_continuous_16", "minicb_static", "continuous vs static batching, both 16 slots"),
-                       ("minicb_continuous", "minicb_continuous_16", "64 slots vs 16, both continuous"),
-                       ("minicb_continuous", "hf_continuous", "minicb vs transformers, continuous batching"),
-                       ("minicb_continuous", "hf_static", "minicb vs transformers' static generate")):
-        if a in by_key and b in by_key:
-            print_fn(f"  {what}: {by_key[a]['throughput'] / by_key[b]['throughput']:.1f}x")
-    kernels = ", ".join(f"{k} {v:.0f}" for k, v in report.get("gemm_peaks", {}).items())
-    print_fn(f"roofline: GEMM peak {report['gemm_peak_gflops']:.0f} GFLOP/s (float32, the best of: {kernels}), "
-             f"{report['flops_per_token'] / 1e6:.0f} MFLOP per token (2 x params)")
-    for r in report["results"]:
-        print_fn(f"  {r['name']:<42} {r['achieved_gflops']:6.1f} GFLOP/s = {r['roofline_fraction']:.0%} of peak")
-    d = report["decode_step"]
-    print_fn(f"  decode step at batch {d['batch']} (context {d['context']}): {d['step_ms']:.0f} ms, "
-             f"{d['gflops']:.0f} GFLOP/s = {d['gflops'] / d['gemm_peak_gflops']:.0%} of the GEMM peak"
-             + "".join(f" ({d['gflops'] / v:.0%} of {k})" for k, v in report.get("gemm_peaks", {}).items()
-                       if v < d["gemm_peak_gflops"]))
-
-
-def w1_figure(report: dict):
-    """Throughput and latency of the W1 competitors, side by side (one shared row per system)."""
-    import matplotlib.pyplot as plt
-
-    rs = report["results"]
-    names = [r["name"].replace(" (", "\n(") for r in rs]
-    y = list(range(len(rs)))
-    colors = ["#9e9e9e", "#616161", "#64b5f6", "#1e88e5", "#0d47a1"][-len(rs):]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 0.9 * len(rs) + 1.8), sharey=True)
-    axes[0].barh(y, [r["throughput"] for r in rs], color=colors)
-    for i, r in enumerate(rs):
-        of_floor = f" ({r['floor_fraction']:.0%} of floor)" if "floor_fraction" in r else ""
-        axes[0].text(r["throughput"], i, f" {r['throughput']:.0f}{of_floor}", va="center", fontsize=9)
-    if "floor" in report:  # the fastest any system could run W1 on this machine
-        bound = report["output_tokens"] / report["floor"]["floor_s"]
-        axes[0].axvline(bound, color="#c62828", linestyle="--")
-        axes[0].text(bound, len(rs) - 0.5, f"the machine's floor\n{bound:.0f} tok/s ", ha="right", va="top",
-                     color="#c62828", fontsize=8)
-    axes[0].set_xlabel("output tokens / s (higher is better)")
-    axes[0].set_yticks(y, names)
-    for ax, key, label, scale in ((axes[1], "ttft", "TTFT (s)", 1), (axes[2], "tpot", "TPOT (ms)", 1000)):
-        ax.barh([i + 0.2 for i in y], [scale * r[f"{key}_p50"] for r in rs], height=0.4, color=colors)
-        ax.barh([i - 0.2 for i in y], [scale * r[f"{key}_p99"] for r in rs], height=0.4, color=colors, alpha=0.45)
-        ax.set_xlabel(f"{label}: p50 dark, p99 light (lower is better)")
-    fig.suptitle(f"W1: {report['num_requests']} mixed-length chat requests, SmolLM2-135M, {report['machine']}")
-    fig.tight_layout()
-    return fig
