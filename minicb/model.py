@@ -37,6 +37,8 @@ class RMSNorm(nn.Module):
         # x / sqrt(mean(x^2) + eps), then a learned per-channel gain. Computed in float32 for
         # every dtype, as transformers does: bf16 sums lose digits, and in float64 it keeps us
         # bit-comparable with the reference implementation.
+        if x.dtype == torch.float32 == self.weight.dtype:  # the same numbers, the gain in the same call
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -115,13 +117,12 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, quant=None):
         n = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, kv_heads, head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * kv_heads) * head_dim)
+        qk = qkv[:, :q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)  # q's heads, k's
+        v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, kv_heads, head_dim)
+        if self.qk_norm:  # Qwen3: every head normalized, q's and k's with their own gains
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # both in one call
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, quant)
         return self.o_proj(out.view(n, q_size))
 
