@@ -139,3 +139,24 @@ def test_spec_bench_compares_the_same_outputs_and_prints_the_ratios(tmp_path, ca
     spec.print_spec(dict(speculative_config=spec.SPEC, machine="test", results={"c1@2": res | dict(num_requests=2)}))
     out = capsys.readouterr().out
     assert "c1@2" in out and "fewer decode steps" in out and f"{on['acceptance_rate']:.0%}" in out
+
+
+def test_w1_table_prints_the_kernels_floor_and_the_ratio_it_allows(capsys):
+    """The kernels' floor caps both targets: the fraction of the floor and the ratio to transformers."""
+    from minicb.bench.w1_report import print_w1
+
+    def row(key, name, wall):
+        return dict(key=key, name=name, throughput=3920 / wall, wall_s=wall, ttft_p50=1.0, ttft_p99=1.5,
+                    tpot_p50=0.1, tpot_p99=0.2, peak_mem_mib=5, achieved_gflops=1.0, roofline_fraction=0.1,
+                    floor_fraction=9.1 / wall)
+
+    kernels = dict(kernel_s=26.0, layers_s=22.0, lm_head_s=4.0, passes=262)
+    print_w1(dict(machine="m", num_requests=64, prompt_tokens=3103, output_tokens=3920, gemm_peak_gflops=1.0,
+                  floor=FLOOR | {"kernels": kernels}, gemm_peaks={"torch.matmul": 1.0}, flops_per_token=1.0,
+                  results=[row("hf_continuous", "transformers continuous batching", 104.0),
+                           row("minicb_continuous", "minicb continuous (64 slots)", 40.0)],
+                  decode_step=dict(batch=64, context=100, step_ms=1.0, gflops=1.0, gemm_peak_gflops=1.0)))
+    out = capsys.readouterr().out
+    assert "22.0 s of layers + 4.0 s of LM head = 26.0 s." in out
+    assert "No system calling these kernels gets past 35% of the floor" in out
+    assert "minicb vs transformers, continuous batching: 2.6x (the kernels' floor allows at most 4.0x)" in out
