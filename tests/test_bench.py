@@ -150,7 +150,8 @@ def test_w1_table_prints_the_kernels_floor_and_the_ratio_it_allows(capsys):
                     tpot_p50=0.1, tpot_p99=0.2, peak_mem_mib=5, achieved_gflops=1.0, roofline_fraction=0.1,
                     floor_fraction=9.1 / wall)
 
-    kernels = dict(kernel_s=26.0, layers_s=22.0, lm_head_s=4.0, passes=262)
+    kernels = dict(kernel_s=26.0, layers_s=22.0, lm_head_s=4.0, passes=262,
+                   other=dict(chain=256, tail_s=23.0, even_s=24.0))
     print_w1(dict(machine="m", num_requests=64, prompt_tokens=3103, output_tokens=3920, gemm_peak_gflops=1.0,
                   floor=FLOOR | {"kernels": kernels}, gemm_peaks={"torch.matmul": 1.0}, flops_per_token=1.0,
                   results=[row("hf_continuous", "transformers continuous batching", 104.0),
@@ -159,4 +160,6 @@ def test_w1_table_prints_the_kernels_floor_and_the_ratio_it_allows(capsys):
     out = capsys.readouterr().out
     assert "22.0 s of layers + 4.0 s of LM head = 26.0 s." in out
     assert "Batched so, these kernels allow at most 35% of the floor" in out
+    assert "the same rows over the 256 passes the longest request needs" in out
+    assert "rest in full passes 23.0 s; spread evenly 24.0 s: at most 40% of the floor either way" in out
     assert "minicb vs transformers, continuous batching: 2.6x (batched as fully, these kernels allow at most 4.0x)" in out

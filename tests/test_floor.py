@@ -86,7 +86,7 @@ def test_interpolate_is_exact_at_the_points_linear_between_and_proportional_beyo
 def test_kernel_floor_prices_each_pass_at_its_own_batch_size():
     times = {"layers": {1: 0.01, 64: 0.1, 512: 0.8}, "lm_head": {1: 0.002, 64: 0.02}}
     passes = [(512, 0), (100, 64), (64, 64), (1, 1)]
-    got = floor.kernel_floor(passes, times)
+    got = floor.kernel_floor(passes, times, chain=2)
     assert got["layers_s"] == pytest.approx(0.8 + 0.1 + (0.1 + 0.7 * 36 / 448) + 0.01)
     assert got["lm_head_s"] == pytest.approx(0.02 + 0.02 + 0.002)
     assert got["kernel_s"] == pytest.approx(got["layers_s"] + got["lm_head_s"]) and got["passes"] == 4
@@ -104,3 +104,17 @@ def test_linear_passes_time_every_layer_linear_and_the_head_apart(loaded):
     layer_calls = [(m, n) for m, n in calls if m is not model.lm_head]
     assert len({id(m) for m, _ in layer_calls}) == 4 * loaded.hf_config.num_hidden_layers  # qkv, o, gate_up, down
     assert {n for _, n in layer_calls} == {1, 8} and {n for m, n in calls if m is model.lm_head} == {1, 8}
+
+
+def test_other_arrangements_put_the_same_rows_over_the_longest_requests_chain():
+    times = {"layers": {1: 0.01, 8: 0.02, 512: 0.5}, "lm_head": {1: 0.001, 8: 0.002, 512: 0.05}}
+    passes = floor.workload_passes([100, 100], [4, 2])
+    rows, head_rows = sum(n for n, _ in passes), sum(h for _, h in passes)  # 200 prompt + 4 + 2 - 2 output tokens fed
+    assert (rows, head_rows) == (204, 6)
+    got = floor.other_arrangements(passes, times, chain=4)
+    # tail: 3 one-row passes, the other 201 layer rows and 3 head rows at the 512-row pass's cost per row
+    assert got["tail_s"] == pytest.approx(3 * 0.011 + 201 / 512 * 0.5 + 3 / 512 * 0.05)
+    # even: 4 passes of 204 / 4 rows and 6 / 4 head rows each, priced by interpolation
+    even_layers = 0.02 + (0.5 - 0.02) * (204 / 4 - 8) / 504
+    assert got["even_s"] == pytest.approx(4 * (even_layers + 0.001 + 0.001 * 0.5 / 7))
+    assert floor.kernel_floor(passes, times, chain=4)["other"] == got

@@ -116,8 +116,27 @@ def time_linear_passes(model, rows=PASS_ROWS, runs: int = 3) -> dict[str, dict[i
     return times
 
 
-def kernel_floor(passes: list[tuple[int, int]], times: dict[str, dict[int, float]]) -> dict:
-    """The linears' time of `passes` (workload_passes) at the measured per-pass times (time_linear_passes)."""
+def kernel_floor(passes: list[tuple[int, int]], times: dict[str, dict[int, float]], chain: int) -> dict:
+    """The linears' time of `passes` (workload_passes) at the measured per-pass times (time_linear_passes),
+    and of the same rows in two other arrangements over the `chain` passes of the longest request."""
     layers = sum(interpolate(times["layers"], n) for n, _ in passes if n)
     head = sum(interpolate(times["lm_head"], n) for _, n in passes if n)
-    return dict(kernel_s=layers + head, layers_s=layers, lm_head_s=head, passes=len(passes), times=times)
+    return dict(kernel_s=layers + head, layers_s=layers, lm_head_s=head, passes=len(passes), times=times,
+                other=other_arrangements(passes, times, chain))
+
+
+def other_arrangements(passes: list[tuple[int, int]], times: dict[str, dict[int, float]], chain: int) -> dict:
+    """The same rows over the `chain` passes the longest request needs one after another (its prefill, then
+    one decode step per further token: as many as its output tokens), arranged at the two extremes a
+    scheduler could choose instead of the fullest batches, for example by holding short requests back into
+    the tail, where a pass is bound by reading the weights: "tail", one row in every pass of the chain but
+    the first and every other row in passes as large as the largest timed; "even", every row spread evenly
+    over the chain. Estimates of what any schedule could do with these kernels, not proofs: the measured
+    times are neither convex nor concave in the rows."""
+    rows, head_rows = sum(n for n, _ in passes), sum(h for _, h in passes)
+    layers, head = (lambda n: interpolate(times["layers"], n)), (lambda n: interpolate(times["lm_head"], n))
+    largest = max(times["layers"])
+    tail = ((chain - 1) * (layers(1) + head(1)) + (rows - chain + 1) / largest * layers(largest)
+            + (head_rows - chain + 1) / largest * head(largest))
+    even = chain * (layers(rows / chain) + head(head_rows / chain))
+    return dict(chain=chain, tail_s=tail, even_s=even)

@@ -229,7 +229,7 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
     peak = max(peaks.values())
     floor = workload_floor(loaded, [len(p) for p in prompts], outs, peak * 1e9, memory_bandwidth())
     floor["kernels"] = kernel_floor(workload_passes([len(p) for p in prompts], outs),
-                                    time_linear_passes(linears_as_minicb_runs_them(loaded, cpu_kernels)))
+                                    time_linear_passes(linears_as_minicb_runs_them(loaded, cpu_kernels)), max(outs))
     flops_per_token = 2 * loaded.num_params
     for r in results:
         r["achieved_gflops"] = r["throughput"] * flops_per_token / 1e9

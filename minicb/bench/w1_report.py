@@ -26,6 +26,11 @@ def print_w1(report: dict, print_fn=print) -> None:
                  f"alone on the kernels minicb calls, timed here: {k['layers_s']:.1f} s of layers + "
                  f"{k['lm_head_s']:.1f} s of LM head = {k['kernel_s']:.1f} s. Batched so, these kernels "
                  f"allow at most {f['floor_s'] / k['kernel_s']:.0%} of the floor")
+        o = k["other"]
+        print_fn(f"  the same rows over the {o['chain']} passes the longest request needs, arranged otherwise "
+                 f"(estimates): one row in each but the first, the rest in full passes {o['tail_s']:.1f} s; "
+                 f"spread evenly {o['even_s']:.1f} s: at most "
+                 f"{f['floor_s'] / min(o['tail_s'], o['even_s']):.0%} of the floor either way")
     if report.get("cpu_kernels"):
         print_fn(f"minicb's linears (chosen by timing on this machine): {describe(report['cpu_kernels'])}")
     by_key = {r.get("key"): r for r in report["results"]}
