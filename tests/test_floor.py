@@ -1,12 +1,15 @@
 """The machine's floor for a workload (minicb/bench/floor.py): FLOPs counted right, both floors, the
 table's 'of floor' column."""
 
+import collections
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from minicb.attention import AttentionMetadata
 from minicb.bench import floor
+from minicb.cpu_kernels import PackedLinear, linear_shapes, onednn_linear_available, use_kernels
 from minicb.kv_cache import KVCache
 from minicb.loader import load_model, save_tiny_model
 from minicb.model import CausalLM
@@ -118,3 +121,20 @@ def test_other_arrangements_put_the_same_rows_over_the_longest_requests_chain():
     even_layers = 0.02 + (0.5 - 0.02) * (204 / 4 - 8) / 504
     assert got["even_s"] == pytest.approx(4 * (even_layers + 0.001 + 0.001 * 0.5 / 7))
     assert floor.kernel_floor(passes, times, chain=4)["other"] == got
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="this PyTorch has no oneDNN linear")
+def test_linear_passes_time_packed_linears_and_a_tied_head_once(loaded):
+    """With every shape on oneDNN (PackedLinear, a packed copy for a tied head) each linear is timed, once."""
+    model = CausalLM.from_hf(loaded.hf_config, loaded.state_dict, torch.float32, "cpu")
+    shapes = {f"{i}x{o}": {"kernel": "onednn"} for i, o in linear_shapes(model)}
+    model = use_kernels(model, shapes)
+    linears = [m for m in model.modules() if isinstance(m, (PackedLinear, torch.nn.Linear))]
+    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    calls = []
+    for m in linears:
+        m.register_forward_hook(lambda mod, args, out: calls.append(id(mod)))
+    floor.time_linear_passes(model, rows=(2,), runs=1)
+    timed = collections.Counter(calls)
+    assert set(timed) == {id(m) for m in linears}  # every linear, the head included
+    assert len({n for n in timed.values()}) == 1  # each as many times as every other: none twice per pass

@@ -77,7 +77,8 @@ def workload_passes(prompt_lens: list[int], output_lens: list[int], chunk: int =
     """The workload's forward passes batched as fully as it allows, as (rows through the layers, rows
     through the LM head): every prompt token in passes of `chunk` tokens (their requests' first tokens
     from one LM head call of one row per request), then decode step s = 1, 2, ... holding every request
-    that still has more than s tokens to produce. No schedule has fewer or fuller passes."""
+    that still has more than s tokens to produce: the fullest batches with every prompt before any decode.
+    (A scheduler may arrange the same rows otherwise: other_arrangements.)"""
     total = sum(prompt_lens)
     passes = [(min(chunk, total - start), 0) for start in range(0, total, chunk)]
     passes[-1] = (passes[-1][0], len(prompt_lens))

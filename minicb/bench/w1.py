@@ -172,14 +172,17 @@ def decode_step_roofline(loaded, batch: int = 64, context: int = 100, steps: int
     return dict(batch=batch, context=context, step_ms=1000 * step, gflops=flops / step / 1e9)
 
 
-def linears_as_minicb_runs_them(loaded, cpu_kernels: dict):
-    """The model in float32 on the CPU with each linear on the kernel the engine chose (cpu_kernels.py)."""
+def linears_as_minicb_runs_them(loaded, mode="auto"):
+    """The model in float32 on the CPU with each linear on the kernel the engine runs it on for this
+    `prepack_cpu_weights` mode (cpu_kernels.py; "auto" reads the choice the engine cached on this machine)."""
     import torch
 
-    from ..cpu_kernels import use_kernels
+    from ..cpu_kernels import prepare_cpu_linears
+    from ..loader import cache_dir
     from ..model import CausalLM
 
-    return use_kernels(CausalLM.from_hf(loaded.hf_config, loaded.state_dict, torch.float32, "cpu"), cpu_kernels)
+    model = CausalLM.from_hf(loaded.hf_config, loaded.state_dict, torch.float32, "cpu")
+    return prepare_cpu_linears(model, mode, cache_dir() / "cpu_kernels.json")[0]
 
 
 COMPETITORS = ("hf_static", "hf_continuous", "minicb_static", "minicb_continuous_16", "minicb_continuous")
@@ -228,8 +231,9 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
     peaks = gemm_peaks()
     peak = max(peaks.values())
     floor = workload_floor(loaded, [len(p) for p in prompts], outs, peak * 1e9, memory_bandwidth())
-    floor["kernels"] = kernel_floor(workload_passes([len(p) for p in prompts], outs),
-                                    time_linear_passes(linears_as_minicb_runs_them(loaded, cpu_kernels)), max(outs))
+    linears = linears_as_minicb_runs_them(loaded, minicb_config.get("prepack_cpu_weights", "auto"))
+    floor["kernels"] = kernel_floor(workload_passes([len(p) for p in prompts], outs), time_linear_passes(linears),
+                                    max(outs))
     flops_per_token = 2 * loaded.num_params
     for r in results:
         r["achieved_gflops"] = r["throughput"] * flops_per_token / 1e9
