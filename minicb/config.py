@@ -67,7 +67,8 @@ class EngineConfig:
     # reads them in place (paged_flash.py; CPU: a slow reference kernel), "auto": flash_pages on CUDA where it runs
     attention_backend: str = "auto"
     # float32 on CPU: "auto" times oneDNN's packed weights against torch.matmul on each linear shape once
-    # per machine and keeps the faster (which one wins differs: AVX-512 vs AVX2); True packs all, False none
+    # per machine and keeps the faster (which one wins differs: AVX-512 vs AVX2); True packs all, False
+    # none; "other" takes the kernels "auto" rejected (so does "auto" under MINICB_CPU_KERNELS=other)
     prepack_cpu_weights: bool | str = "auto"
     # Split every layer over N processes (vLLM's name): each holds 1/N of the heads and MLP features and
     # the KV cache of its own KV heads; N must divide the model's KV heads (parallel.py)
@@ -118,8 +119,9 @@ class EngineConfig:
             raise ValueError(f"calculate_kv_scales needs an fp8 KV cache, but kv_cache_dtype is {self.kv_cache_dtype!r}")
         if self.tensor_parallel_size > 1 and self.use_cuda_graph is True:
             raise ValueError("CUDA graphs are not supported with tensor_parallel_size > 1: use use_cuda_graph=False")
-        if self.prepack_cpu_weights not in (True, False, "auto"):
-            raise ValueError(f"prepack_cpu_weights must be True, False or 'auto', got {self.prepack_cpu_weights!r}")
+        if self.prepack_cpu_weights not in (True, False, "auto", "other"):
+            raise ValueError(f"prepack_cpu_weights must be True, False, 'auto' or 'other', "
+                             f"got {self.prepack_cpu_weights!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 

@@ -9,6 +9,7 @@ Everything a user sees (generate, stream, the HTTP server) is this loop called a
 
 import logging
 import time
+import warnings
 
 import torch
 
@@ -32,6 +33,9 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         dtype = getattr(torch, config.dtype)
         loaded = loaded or load_model(config.model, dtype)
+        if loaded.dtype is not None and loaded.dtype != dtype:  # never silently: exactness depends on it
+            warnings.warn(f"minicb: the model was loaded in {str(loaded.dtype).removeprefix('torch.')}; "
+                          f"the engine converts its weights to {config.dtype} (EngineConfig.dtype)", stacklevel=2)
         self.config = config = resolve_config(config, loaded)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids

@@ -35,8 +35,12 @@ class LLM:
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, **config_fields) -> "LLM":
-        """An LLM over weights already loaded (to compare configurations without reloading)."""
+        """An LLM over weights already loaded (to compare configurations without reloading).
+
+        The model keeps the dtype it was loaded in unless `dtype=` says otherwise (and then the
+        engine says that it converts it)."""
         llm = cls.__new__(cls)
+        config_fields.setdefault("dtype", str(loaded.dtype).removeprefix("torch."))
         llm.engine = Engine(EngineConfig(model=loaded.name, **config_fields), loaded)
         return llm
 

@@ -120,22 +120,45 @@ def test_generate_is_all_or_nothing(llm):
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 
-def test_prepacked_cpu_weights_change_nothing_but_rounding(tmp_path):
+def test_prepacked_cpu_weights_change_nothing_but_rounding(tmp_path, monkeypatch):
     loaded32 = load_model(save_tiny_model(tmp_path / "m", arch="qwen2", seed=5), dtype=torch.float32)
-    prompts = [[3, 4, 5, 6], [9] * 17, [2]]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[3, 4, 5, 6], [9] * 17, [2, 7]]
+    # Teacher-forced: the log-probability of every prompt token, so that no sampled token steers the run.
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     runs = {}
-    for packed in (False, True, "auto"):
-        llm = LLM.from_loaded(loaded32, block_size=4, num_blocks=64, prepack_cpu_weights=packed)
+    for packed in (False, True, "auto", "other", "auto under MINICB_CPU_KERNELS=other"):
+        mode = packed
+        if packed == "auto under MINICB_CPU_KERNELS=other":
+            monkeypatch.setenv("MINICB_CPU_KERNELS", "other")
+            mode = "auto"
+        llm = LLM.from_loaded(loaded32, block_size=4, num_blocks=64, prepack_cpu_weights=mode)
         layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj
-        if packed != "auto":
+        if packed in (True, False):
             assert type(layer).__name__ == ("PackedLinear" if packed else "Linear")
-        else:  # the kernel this machine timed faster for the shape
+        else:  # the kernel this machine timed faster for the shape, or the other one
             shape = f"{layer.in_features}x{layer.out_features}"
-            chosen = llm.engine.cpu_kernels[shape]["kernel"]
-            assert type(layer).__name__ == {"onednn": "PackedLinear", "matmul": "Linear"}[chosen]
-        runs[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert runs[True] == runs[False] == runs["auto"]
+            chosen = llm.engine.cpu_kernels[shape]
+            assert type(layer).__name__ == {"onednn": "PackedLinear", "matmul": "Linear"}[chosen["kernel"]]
+            is_other = packed != "auto"
+            fastest = min(chosen["seconds"], key=chosen["seconds"].get)
+            assert (chosen["kernel"] != fastest) == (is_other and len(chosen["seconds"]) > 1)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[packed] = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
+    # Float32: the kernels block their sums differently, so the results agree to a tolerance, not bit
+    # for bit (and a greedy token could flip on a near tie: never asserted, see style.md).
+    for packed, logprobs in runs.items():
+        for got, want in zip(logprobs, runs[False]):
+            assert got == pytest.approx(want, abs=1e-4), packed
+
+
+def test_from_loaded_keeps_the_loaded_dtype_and_says_when_it_converts(tmp_path):
+    loaded64 = load_model(save_tiny_model(tmp_path / "m", arch="llama", seed=1), dtype=torch.float64)
+    llm = LLM.from_loaded(loaded64, block_size=4, num_blocks=16)
+    assert llm.engine.config.dtype == "float64"
+    assert llm.engine.runner.model.embed_tokens.weight.dtype == torch.float64
+    with pytest.warns(UserWarning, match="loaded in float64.*converts its weights to float32"):
+        llm32 = LLM.from_loaded(loaded64, block_size=4, num_blocks=16, dtype="float32")
+    assert llm32.engine.runner.model.embed_tokens.weight.dtype == torch.float32
 
 
 def test_abort_inside_stream_ends_the_stream(llm):

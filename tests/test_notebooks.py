@@ -82,8 +82,10 @@ def test_notebook_executes(path, monkeypatch):
     nbclient.NotebookClient(nb, kernel_name="python3", timeout=CELL_TIMEOUT_S,
                             resources={"metadata": {"path": str(path.parent)}}).execute()
     took = time.perf_counter() - t0
-    print(f"{_id(path)} executed in {took:.1f} s")
-    assert took < NOTEBOOK_BUDGET_S, f"{_id(path)} took {took:.0f} s, over the {NOTEBOOK_BUDGET_S} s budget"
+    # Printed, never asserted: a busy or slow machine takes longer (style.md), and the cell timeout
+    # already stops a notebook that hangs. notebooks/README.md lists the measured times.
+    over = f" (over the {NOTEBOOK_BUDGET_S} s a notebook should take on an idle laptop)" if took > NOTEBOOK_BUDGET_S else ""
+    print(f"{_id(path)} executed in {took:.1f} s{over}")
 
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, f"{_id(path)} produced no figure"

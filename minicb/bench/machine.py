@@ -4,6 +4,30 @@
 import os
 import threading
 
+THREADS_ENV = "MINICB_NUM_THREADS"  # force torch's thread count in every notebook (CI runs learners with 1)
+
+
+def pin_torch_threads(wanted: int | None = None) -> int:
+    """Set torch's thread count for a notebook that times something, and return it.
+
+    torch's threads wait for one another at every operator, so a thread that another program keeps
+    off its core slows every step: by default use the cores that are free now (all cores minus the
+    load average), or `wanted` if the notebook asks for a number. MINICB_NUM_THREADS overrides both,
+    so that CI can run every notebook on one thread and find any result that depends on it."""
+    import torch
+
+    forced = os.environ.get(THREADS_ENV)
+    if forced:
+        threads = int(forced)
+    elif wanted is not None:
+        threads = wanted
+    else:
+        busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        cores = os.cpu_count() or 1
+        threads = max(1, min(cores, round(cores - busy)))
+    torch.set_num_threads(threads)
+    return threads
+
 
 def cpu_model() -> str:
     """The CPU's name and vector units (AVX2 / AVX-512 / AMX), from /proc/cpuinfo (Linux)."""
