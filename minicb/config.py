@@ -38,7 +38,9 @@ class EngineConfig:
     # Memory budget of the KV cache (vLLM's name). None: 512 MiB on CPU, which a laptop can spare; on CUDA
     # what gpu_memory_utilization leaves after the weights, activations and graphs, measured (memory.py)
     kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU's memory this engine fills (vLLM's default)
+    # CUDA: the share of the GPU's memory this engine fills. vLLM used 0.9 until it moved to 0.92
+    # (vllm/config/cache.py, `CacheConfig.gpu_memory_utilization`); minicb keeps 0.9
+    gpu_memory_utilization: float = 0.9
     # What the cache stores (vLLM's names): "auto" the model's dtype (exact); "bfloat16"/"float16" half of
     # float32; "fp8" (= "fp8_e4m3") one byte a value, twice the blocks of bfloat16, some rounding error
     kv_cache_dtype: str = "auto"
@@ -63,6 +65,9 @@ class EngineConfig:
 
     # --- execution ---
     use_cuda_graph: bool | str = "auto"  # decode through graphs: True, False, or "auto" (CUDA only)
+    # vLLM's name for the same switch: enforce_eager=True means use_cuda_graph=False (and refuses
+    # use_cuda_graph=True); False, vLLM's default, leaves use_cuda_graph as it is
+    enforce_eager: bool = False
     # Decode attention: "gather" copies each row's blocks and masks (attention.py, the reference), "flash_pages"
     # reads them in place (paged_flash.py; CPU: a slow reference kernel), "auto": flash_pages on CUDA where it runs
     attention_backend: str = "auto"
@@ -115,6 +120,13 @@ class EngineConfig:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {allowed}")
         if not (self.use_cuda_graph is True or self.use_cuda_graph is False or self.use_cuda_graph == "auto"):
             raise ValueError(f"use_cuda_graph must be True, False or 'auto', got {self.use_cuda_graph!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.enforce_eager and self.use_cuda_graph is True:
+            raise ValueError("enforce_eager=True (vLLM's name for use_cuda_graph=False) contradicts "
+                             "use_cuda_graph=True: give one of them")
+        if self.enforce_eager:
+            object.__setattr__(self, "use_cuda_graph", False)  # the alias, resolved once
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError(f"calculate_kv_scales needs an fp8 KV cache, but kv_cache_dtype is {self.kv_cache_dtype!r}")
         if self.tensor_parallel_size > 1 and self.use_cuda_graph is True:

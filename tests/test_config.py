@@ -93,6 +93,19 @@ def test_use_cuda_graph_refuses_numbers_equal_to_bools(value):
         EngineConfig(use_cuda_graph=value)
 
 
+def test_enforce_eager_is_vllms_name_for_no_cuda_graph():
+    assert EngineConfig(enforce_eager=True).use_cuda_graph is False
+    assert EngineConfig(enforce_eager=True, use_cuda_graph=False).use_cuda_graph is False
+    for graphs in (True, False, "auto"):  # False, vLLM's default, leaves the switch alone
+        assert EngineConfig(enforce_eager=False, use_cuda_graph=graphs).use_cuda_graph == graphs
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(enforce_eager=True, use_cuda_graph=True)  # contradicts itself
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig().replace(enforce_eager=True, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(enforce_eager="yes")
+
+
 @pytest.mark.parametrize("value", ["gpu", "mps", "", None, 0])
 def test_device(value):
     for ok in ("cpu", "cuda", "cuda:1"):
