@@ -38,7 +38,7 @@ class Served:
         """GET /metrics as {'vllm:num_requests_running': 1.0, ...} (labels other than model_name kept)."""
         return parse_metrics(self.http.get("/metrics").text)
 
-    def wait_idle(self, timeout=10.0) -> dict[str, float]:
+    def wait_idle(self, timeout=60.0) -> dict[str, float]:
         """Metrics once nothing runs or waits and every KV block is free (fails after `timeout`)."""
         deadline = time.monotonic() + timeout
         while True:

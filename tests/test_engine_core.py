@@ -110,7 +110,7 @@ def test_a_client_that_leaves_frees_the_cores_blocks(both):
     assert not engine.has_unfinished_requests()
 
 
-def wait_until(condition, timeout_s=10.0):
+def wait_until(condition, timeout_s=60.0):  # generous: it waits for an event, on a busy machine too
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
@@ -138,11 +138,11 @@ def test_the_cores_death_fails_the_streams_and_turns_health_unhealthy(model_dir)
         wait_until(lambda: len(events) >= 3 or engine.has_unfinished_requests())
         time.sleep(0.2)
         engine.process.kill()  # the core dies mid-stream
-        assert done.wait(5), "the stream did not end within 5 s of the core's death"
+        assert done.wait(60), "the stream did not end within 60 s of the core's death"
         payloads = [e[6:] for e in events]
         assert payloads[-1] == "[DONE]" and "error" in json.loads(payloads[-2])
         assert "engine core process died" in json.loads(payloads[-2])["error"]["message"]
-        wait_until(lambda: http.get("/health").status_code == 503, timeout_s=5)
+        wait_until(lambda: http.get("/health").status_code == 503)
         r = http.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2})
         assert r.status_code == 503 and "engine core process died" in r.json()["error"]["message"]
         assert "exit code -9" in json.loads(payloads[-2])["error"]["message"]  # reaped: its real exit code

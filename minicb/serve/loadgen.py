@@ -77,7 +77,7 @@ async def one_request(client: httpx.AsyncClient, body: dict, leave_after: int | 
             "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None, "end": time.perf_counter()}
 
 
-async def server_state(client, timeout: float = 10.0) -> dict:
+async def server_state(client, timeout: float = 30.0) -> dict:
     """The /metrics gauges once the server is idle (running = waiting = 0), or after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
