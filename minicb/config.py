@@ -123,8 +123,8 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.enforce_eager and self.use_cuda_graph is True:
-            raise ValueError("enforce_eager=True (vLLM's name for use_cuda_graph=False) contradicts "
-                             "use_cuda_graph=True: give one of them")
+            raise ValueError("enforce_eager=True (vLLM's name for use_cuda_graph=False) "
+                             "contradicts use_cuda_graph=True: give one of them")
         if self.enforce_eager:
             object.__setattr__(self, "use_cuda_graph", False)  # the alias, resolved once
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
