@@ -1,4 +1,5 @@
-"""Write learner notebooks from their worked solutions: `python notebooks/make_learner.py [NAME ...]`.
+"""Write learner notebooks from their worked solutions: `python notebooks/make_learner.py [NAME
+...]`.
 
 The worked solutions in `notebooks/solutions/` are the one source of each notebook. A learner's
 copy is the same notebook with each exercise cell replaced by its starter: a solution cell whose

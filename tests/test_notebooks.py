@@ -4,8 +4,8 @@ Run with `python -m pytest -m notebooks` (the fast suite deselects them; CI runs
 Each notebook executes with nbclient in its own folder, as a learner would open it: any error
 fails the test, at least one figure (image/png) must come out, worked solutions must print PASS
 and never FAIL, and learners' versions must print FAIL (not crash) while their exercises are empty.
-The structural checks (outputs stripped in git, a solution for every notebook) are fast and run
-in the default suite.
+The structural checks (outputs stripped in git, a solution for every notebook) are fast and run in
+the default suite.
 """
 
 import os
@@ -44,8 +44,9 @@ def test_committed_without_outputs(path):
     nb = nbformat.read(path, as_version=4)
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code":
-            assert not cell.outputs and cell.execution_count is None, \
+            assert not cell.outputs and cell.execution_count is None, (
                 f"{_id(path)} cell {i} has outputs: strip them before committing"
+            )
 
 
 def test_every_notebook_has_a_worked_solution():
@@ -55,7 +56,8 @@ def test_every_notebook_has_a_worked_solution():
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=_id)
 def test_learner_notebook_is_written_from_its_solution(path):
-    """The solution is the source; the learner's copy must be exactly what make_learner.py writes."""
+    """The solution is the source; the learner's copy must be exactly what make_learner.py
+    writes."""
     import importlib.util
     import json
 
@@ -63,9 +65,14 @@ def test_learner_notebook_is_written_from_its_solution(path):
     make = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make)
     expected = make.dump(make.learner_version(json.loads(path.read_text())))
-    assert (NOTEBOOK_DIR / path.name).read_text() == expected, \
-        f"notebooks/{path.name} differs from its solution: edit the solution, then run python notebooks/make_learner.py"
-    starters = sum("starter" in c.get("metadata", {}).get("minicb", {}) for c in json.loads(path.read_text())["cells"])
+    assert (NOTEBOOK_DIR / path.name).read_text() == expected, (
+        f"notebooks/{path.name} differs from its solution: edit the solution, then run python "
+        "notebooks/make_learner.py"
+    )
+    starters = sum(
+        "starter" in c.get("metadata", {}).get("minicb", {})
+        for c in json.loads(path.read_text())["cells"]
+    )
     assert starters >= 1, f"{_id(path)} marks no exercise cell with a starter"
 
 
@@ -75,22 +82,34 @@ def test_notebook_executes(path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")
     # The kernel imports this checkout's minicb, and draws figures inline even where the test
     # process itself runs with a non-interactive backend (MPLBACKEND=Agg in CI).
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
-    nbclient.NotebookClient(nb, kernel_name="python3", timeout=CELL_TIMEOUT_S,
-                            resources={"metadata": {"path": str(path.parent)}}).execute()
+    nbclient.NotebookClient(
+        nb,
+        kernel_name="python3",
+        timeout=CELL_TIMEOUT_S,
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
     took = time.perf_counter() - t0
     # Printed, never asserted: a busy or slow machine takes longer (style.md), and the cell timeout
     # already stops a notebook that hangs. notebooks/README.md lists the measured times.
-    over = f" (over the {NOTEBOOK_BUDGET_S} s a notebook should take on an idle laptop)" if took > NOTEBOOK_BUDGET_S else ""
+    over = (
+        f" (over the {NOTEBOOK_BUDGET_S} s a notebook should take on an idle laptop)"
+        if took > NOTEBOOK_BUDGET_S
+        else ""
+    )
     print(f"{_id(path)} executed in {took:.1f} s{over}")
 
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, f"{_id(path)} produced no figure"
     text = _outputs_text(nb)
     if path.parent.name == "solutions":
-        assert "PASS" in text and "FAIL" not in text, f"{_id(path)}: every self-check must print PASS"
+        assert "PASS" in text and "FAIL" not in text, (
+            f"{_id(path)}: every self-check must print PASS"
+        )
     else:
         assert "FAIL" in text, f"{_id(path)}: an unfilled exercise's self-check must print FAIL"

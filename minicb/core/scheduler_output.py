@@ -15,7 +15,8 @@ class ScheduledRequest:
 
     request: Request
     start: int  # num_computed_tokens before this step = position of the first token fed
-    num_tokens: int  # tokens fed this step (a prompt chunk; 1 for a decode, 1 + drafts for a verifying decode)
+    # tokens fed this step (a prompt chunk; 1 for a decode, 1 + drafts for a verifying decode)
+    num_tokens: int
     is_prefill: bool
     do_sample: bool  # this step computes the request's last token, so a new token is sampled
     block_table: list[int]  # the request's live block table (read it during this step only)
@@ -28,15 +29,15 @@ class ScheduledRequest:
         """The row that feeds `req` its next `num_tokens` tokens, then as many of its drafts as fit;
         it samples if they reach its end."""
         start = req.num_computed_tokens
-        drafts = req.spec_token_ids[:max(0, start + num_tokens - req.num_tokens)]
+        drafts = req.spec_token_ids[: max(0, start + num_tokens - req.num_tokens)]
         done = start + num_tokens >= req.num_tokens
         is_decode = done and num_tokens == 1 + len(drafts) and req.num_output_tokens > 0
         return cls(req, start, num_tokens, not is_decode, done, block_table, req.slot, drafts)
 
     @property
     def token_ids(self) -> list[int]:
-        ids = self.request.token_ids[self.start:self.start + self.num_tokens]
-        return ids + self.spec_token_ids[:self.num_tokens - len(ids)]
+        ids = self.request.token_ids[self.start : self.start + self.num_tokens]
+        return ids + self.spec_token_ids[: self.num_tokens - len(ids)]
 
 
 @dataclass
@@ -52,7 +53,8 @@ class SchedulerOutput:
     swapped_in: list[str] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (device, device): copy-on-write
+    # (device, device): copy-on-write
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_decode_rows(self) -> int:

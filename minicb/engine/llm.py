@@ -2,33 +2,40 @@
 
 `LLM(model, **EngineConfig fields)` builds an Engine; `generate()` adds every prompt and steps the
 engine until all have finished; `chat()` renders conversations with the model's chat template
-first; `stream()` (minicb's) yields each request's output as it grows. Everything here is the
-step loop of engine.py called again and again.
+first; `stream()` (minicb's) yields each request's output as it grows. Everything here is the step
+loop of engine.py called again and again.
 """
 
 import time
 from collections.abc import Iterator
 
-from .config import EngineConfig
-from .engine import Engine
-from .loader import LoadedModel
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from ..config import EngineConfig
+from ..model_executor.loader import LoadedModel
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .llm_engine import Engine
 
 
 def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation in the model's chat template, ending where the assistant replies."""
+    """Token ids of a conversation in the model's chat template, ending where the assistant
+    replies."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template: pass prompts (text or token ids) instead")
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+        raise ValueError(
+            "this model has no chat template: pass prompts (text or token ids) instead"
+        )
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 class LLM:
     """The offline front end, with vLLM's names: `LLM(model, **EngineConfig fields)`,
     `generate(prompts, sampling_params)`, `chat(messages, sampling_params)`, `get_tokenizer()`.
     A script written for `vllm.LLM` runs with only the import changed. minicb adds `stream()`,
-    `engine` (the step loop, to look inside) and the configurations vLLM lacks (see EngineConfig)."""
+    `engine` (the step loop, to look inside) and the configurations vLLM lacks (see
+    EngineConfig)."""
 
     def __init__(self, model: str | None = None, **config_fields):
         self.engine = Engine(EngineConfig(model=model, **config_fields))
@@ -53,7 +60,9 @@ class LLM:
         prompts = [_prompt_of(p) for p in prompts]
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+                raise ValueError(
+                    f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts"
+                )
         else:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         priority = [0] * len(prompts) if priority is None else list(priority)
@@ -69,13 +78,19 @@ class LLM:
             raise ValueError(f"prompt {len(ids)}: {e}") from None
         return ids
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
         """Run prompts to completion; one RequestOutput per prompt, in input order.
 
         prompts: a string, a list of token ids, {"prompt": text} or {"prompt_token_ids": ids}, or a
         list of those. sampling_params: one for all prompts, or a list with one per prompt.
-        priority: one int per prompt, the lowest served first (needs scheduling_policy="priority")."""
+        priority: one int per prompt, the lowest served first (needs
+        scheduling_policy="priority")."""
         ids = self._add_all(prompts, sampling_params, priority)
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -93,7 +108,9 @@ class LLM:
                         if bar is not None:
                             bar.update(1)
                 if bar is not None:
-                    bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
+                    bar.set_postfix_str(
+                        f"{num_tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False
+                    )
         finally:
             if bar is not None:
                 bar.close()
@@ -111,7 +128,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompts, sampling_params=None, priority=None) -> Iterator[RequestOutput]:
-        """minicb: yield a RequestOutput each time a request gets a token (`.finished` on its last)."""
+        """minicb: yield a RequestOutput each time a request gets a token (`.finished` on its
+        last)."""
         ids = set(self._add_all(prompts, sampling_params, priority))
         remaining = set(ids)
         try:
@@ -127,11 +145,14 @@ class LLM:
 
 
 def _prompt_of(prompt):
-    """A prompt as text or token ids; vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts too."""
+    """A prompt as text or token ids; vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts
+    too."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return prompt["prompt"]
-        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        raise ValueError(
+            f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
+        )
     return prompt

@@ -37,8 +37,11 @@ from torch import nn
 def onednn_linear_available() -> bool:
     """True when this PyTorch has oneDNN and the two private linear operators."""
     ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
 
 
 class PackedLinear(nn.Module):
@@ -48,31 +51,42 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # (out_features, in_features) in oneDNN's blocked layout, an opaque "mkldnn" tensor
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
+        self.register_buffer(
+            "packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        )
         self.bias = linear.bias
 
     @property
     def weight(self) -> torch.Tensor:
-        """The weight as a plain (out_features, in_features) tensor, unpacked (a copy) for inspection."""
+        """The weight as a plain (out_features, in_features) tensor, unpacked (a copy) for
+        inspection."""
         return self.packed_weight.to_dense()
 
     def forward(self, x):  # x: (num_tokens, in_features) -> (num_tokens, out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
+        )
 
 
 def prepack_for_cpu(model: nn.Module) -> nn.Module:
-    """Float32 on a CPU: replace every nn.Linear by a PackedLinear, in place (2-3x faster small matmuls).
+    """Float32 on a CPU: replace every nn.Linear by a PackedLinear, in place (2-3x faster small
+    matmuls).
 
     A linear whose weight is shared with another module (the LM head of a model with tied
-    embeddings) stays as it is: packing it would keep a second copy of the embedding table.
-    Without the oneDNN operators, the model is returned unchanged.
+    embeddings) stays as it is: packing it would keep a second copy of the embedding table. Without
+    the oneDNN operators, the model is returned unchanged.
     """
     if not onednn_linear_available():
         return model
-    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    shared = {
+        id(p)
+        for m in model.modules()
+        if not isinstance(m, nn.Linear)
+        for p in m.parameters(recurse=False)
+    }
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and id(child.weight) not in shared:
@@ -80,9 +94,11 @@ def prepack_for_cpu(model: nn.Module) -> nn.Module:
     return model
 
 
-# ---------------------------------------------------------------------- the right kernel per machine
+# ---------------------------------------------------------------------- the right kernel per
+# machine
 BATCH_SIZES = (1, 16, 64)  # decode batches that matter: one stream, a busy server, a full W1 batch
-KERNELS = ("matmul", "onednn")  # torch.matmul on the plain weight (F.linear), oneDNN on a packed one
+# torch.matmul on the plain weight (F.linear), oneDNN on a packed one
+KERNELS = ("matmul", "onednn")
 TIME_PER_CASE_S = 0.05  # timing budget of one (shape, batch, kernel): at least 3 runs, best kept
 
 
@@ -94,15 +110,26 @@ def cpu_name() -> str:
         import platform
 
         return platform.processor() or "an unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "a CPU")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    name = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in info.splitlines()
+            if line.startswith("model name")
+        ),
+        "a CPU",
+    )
+    flags = next(
+        (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")),
+        [],
+    )
     vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     return f"{name} ({vector}{', AMX' if 'amx_tile' in flags else ''})"
 
 
 def best_time(fn, runs: int, budget_s: float = 0.0, max_runs: int = 1000) -> float:
-    """The fastest of at least `runs` timed calls of fn() (after one warm-up), going on while the time
-    spent is under `budget_s` (up to max_runs): the best run is the one least disturbed by the machine."""
+    """The fastest of at least `runs` timed calls of fn() (after one warm-up), going on while the
+    time spent is under `budget_s` (up to max_runs): the best run is the one least disturbed by the
+    machine."""
     fn()  # warm up
     best, spent = float("inf"), 0.0
     for run in range(max(runs, 1) if budget_s <= 0 else max_runs):
@@ -116,7 +143,8 @@ def best_time(fn, runs: int, budget_s: float = 0.0, max_runs: int = 1000) -> flo
 
 
 def kernel_fn(kernel: str, weight: torch.Tensor):
-    """x -> x W^T with `kernel` ("matmul" or "onednn") on this (out_features, in_features) weight."""
+    """x -> x W^T with `kernel` ("matmul" or "onednn") on this (out_features, in_features)
+    weight."""
     if kernel == "matmul":
         return lambda x: F.linear(x, weight)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
@@ -135,11 +163,14 @@ def time_linear(in_features: int, out_features: int, kernel: str, batch_sizes=BA
 
 def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
     """The distinct (in_features, out_features) of the model's linears, LM head included."""
-    return sorted({(m.in_features, m.out_features) for m in model.modules() if type(m) is nn.Linear})
+    return sorted(
+        {(m.in_features, m.out_features) for m in model.modules() if type(m) is nn.Linear}
+    )
 
 
 def choose_kernels(shapes, timer=time_linear) -> dict[str, dict]:
-    """For each shape "in x out": both kernels' summed times and the faster one (oneDNN only if it exists)."""
+    """For each shape "in x out": both kernels' summed times and the faster one (oneDNN only if it
+    exists)."""
     kernels = KERNELS if onednn_linear_available() else ("matmul",)
     choice = {}
     for i, o in shapes:
@@ -153,8 +184,8 @@ def machine_key() -> str:
 
 
 def cached_choice(model: nn.Module, cache_file=None, timer=time_linear) -> dict[str, dict]:
-    """choose_kernels for the model's shapes, measured once per machine and kept in `cache_file` (JSON:
-    machine key -> shape -> choice); None: measure without caching."""
+    """choose_kernels for the model's shapes, measured once per machine and kept in `cache_file`
+    (JSON: machine key -> shape -> choice); None: measure without caching."""
     shapes, key = linear_shapes(model), machine_key()
     cache = {}
     if cache_file is not None and os.path.exists(cache_file):
@@ -167,8 +198,11 @@ def cached_choice(model: nn.Module, cache_file=None, timer=time_linear) -> dict[
     if missing:
         t = time.perf_counter()
         known |= choose_kernels(missing, timer)
-        print(f"minicb: timed torch.matmul against oneDNN packed weights on {len(missing)} linear shapes "
-              f"({time.perf_counter() - t:.1f} s, once on this machine: {key})", flush=True)
+        print(
+            f"minicb: timed torch.matmul against oneDNN packed weights on {len(missing)} linear "
+            f"shapes ({time.perf_counter() - t:.1f} s, once on this machine: {key})",
+            flush=True,
+        )
         if cache_file is not None:
             try:
                 os.makedirs(os.path.dirname(cache_file), exist_ok=True)
@@ -192,13 +226,18 @@ def use_kernels(model: nn.Module, choice: dict[str, dict]) -> nn.Module:
 
 def describe(choice: dict[str, dict]) -> str:
     """One line: the kernel each shape runs on and by how much it won."""
+
     def one(shape, c):
         t = c["seconds"]
-        return f"{shape} {c['kernel']}" + (f" ({max(t.values()) / min(t.values()):.2f}x)" if len(t) > 1 else "")
+        return f"{shape} {c['kernel']}" + (
+            f" ({max(t.values()) / min(t.values()):.2f}x)" if len(t) > 1 else ""
+        )
+
     return ", ".join(one(shape, c) for shape, c in choice.items())
 
 
-KERNELS_ENV = "MINICB_CPU_KERNELS"  # "other": run every "auto" engine on the kernels this machine did NOT choose
+# "other": run every "auto" engine on the kernels this machine did NOT choose
+KERNELS_ENV = "MINICB_CPU_KERNELS"
 
 
 def other_choice(choice: dict[str, dict]) -> dict[str, dict]:
@@ -214,9 +253,10 @@ def other_choice(choice: dict[str, dict]) -> dict[str, dict]:
 
 
 def prepare_cpu_linears(model: nn.Module, mode, cache_file=None) -> tuple[nn.Module, dict]:
-    """The engine's entry: mode True packs every untied linear, False none, "auto" measures (cached),
-    "other" takes the kernel "auto" rejected. The environment variable MINICB_CPU_KERNELS=other turns
-    every "auto" into "other" (a one-line switch to check that nothing depends on the machine's choice)."""
+    """The engine's entry: mode True packs every untied linear, False none, "auto" measures
+    (cached), "other" takes the kernel "auto" rejected. The environment variable
+    MINICB_CPU_KERNELS=other turns every "auto" into "other" (a one-line switch to check that
+    nothing depends on the machine's choice)."""
     if mode == "auto" and os.environ.get(KERNELS_ENV, "auto") == "other":
         mode = "other"
     if mode in ("auto", "other"):
@@ -236,7 +276,9 @@ def gemm_peaks(n: int = 2048, repeats: int = 10) -> dict[str, float]:
     kernels = {"torch.matmul": lambda: a @ b}
     if onednn_linear_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(b)
-        kernels["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+        kernels["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(
+            a, packed, None, "none", [], ""
+        )
     peaks = {}
     for name, gemm in kernels.items():
         peaks[name] = 2 * n**3 / best_time(gemm, runs=repeats) / 1e9

@@ -10,12 +10,14 @@ magnitudes up to 448 and down to 2**-9. Each layer's K (and V) is stored divided
 
     stored = clamp(x / scale, -448, 448) in fp8        read = float(stored) * scale
 
-so the scale decides which range of values the 256 codes cover. vLLM's default is scale 1.0 (fine
-when K and V sit well inside [-448, 448], as they usually do). With `calculate_kv_scales=True` the
-scales are set once from the first forward pass, as vLLM's calc_kv_scales does: the amax of that
-step's K divided by K_SCALE_CONSTANT (200) and of V by V_SCALE_CONSTANT (100), which maps the largest
-value seen to 200 (or 100), leaving head room for later tokens that are larger, since values past
-448 x scale are clipped.
+so the scale decides which range of values the 256 codes cover. vLLM V1 reads calibrated k_scale and
+v_scale from the checkpoint (llm-compressor or ModelOpt) and falls back, with a warning, to 1.0,
+which is fine when K and V sit well inside [-448, 448], as they usually do; minicb has no calibrated
+checkpoints and uses 1.0. With minicb's own `calculate_kv_scales=True` the scales are set once from
+the first real step, as vLLM's removed option of that name did (PR #49389): the amax of that step's
+K divided by K_SCALE_CONSTANT (200) and of V by V_SCALE_CONSTANT (100), which maps the largest value
+seen to 200 (or 100), leaving head room for later tokens that are larger, since values past 448 x
+scale are clipped.
 
 Torch has no index_copy_ / index_select kernels for float8 on CPU, so the cache holds the fp8
 bytes as uint8 (vLLM allocates its fp8 caches as uint8 too) and views them as fp8 to convert.
@@ -27,23 +29,32 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0
-K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0  # vLLM's defaults: amax maps to 200 (K) and 100 (V)
+# vLLM's defaults: amax maps to 200 (K) and 100 (V)
+K_SCALE_CONSTANT, V_SCALE_CONSTANT = (200.0, 100.0)
 # kv_cache_dtype -> the dtype of the cached values (None: the model's own dtype). vLLM's names.
-CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "fp8": FP8, "fp8_e4m3": FP8}
+CACHE_DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp8": FP8,
+    "fp8_e4m3": FP8,
+}
 
 
 def cache_dtype_of(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The torch dtype the cache stores for a `kv_cache_dtype` name ("auto": the model's)."""
     if kv_cache_dtype not in CACHE_DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {tuple(CACHE_DTYPES)}")
+        raise ValueError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {tuple(CACHE_DTYPES)}"
+        )
     return CACHE_DTYPES[kv_cache_dtype] or model_dtype
 
 
 class KVQuant:
-    """How one layer's K and V go into the cache and come back out, when the cache's dtype is not the
-    model's. For fp8, `k_scale` and `v_scale` are 0-d float32 tensors on the cache's device (updated in
-    place by calibration, so a captured CUDA graph reads the new values)."""
+    """How one layer's K and V go into the cache and come back out, when the cache's dtype is not
+    the model's. For fp8, `k_scale` and `v_scale` are 0-d float32 tensors on the cache's device
+    (updated in place by calibration, so a captured CUDA graph reads the new values)."""
 
     def __init__(self, cache_dtype: torch.dtype, device):
         self.cache_dtype = cache_dtype
@@ -56,7 +67,8 @@ class KVQuant:
         return torch.uint8 if self.is_fp8 else self.cache_dtype
 
     def quantize(self, k, v):
-        """(num_tokens, kv_heads, head_dim) K and V in the model's dtype -> what the cache stores."""
+        """(num_tokens, kv_heads, head_dim) K and V in the model's dtype -> what the cache
+        stores."""
         if not self.is_fp8:
             return k.to(self.cache_dtype), v.to(self.cache_dtype)
         if self.calibrate:  # vLLM's calc_kv_scales, on the first forward pass
@@ -75,7 +87,9 @@ class KVQuant:
         name = str(self.cache_dtype).removeprefix("torch.")
         if not self.is_fp8:
             return f"KVQuant({name})"
-        return f"KVQuant({name}, k_scale={self.k_scale.item():.4g}, v_scale={self.v_scale.item():.4g})"
+        return (
+            f"KVQuant({name}, k_scale={self.k_scale.item():.4g}, v_scale={self.v_scale.item():.4g})"
+        )
 
 
 def to_fp8(x, scale):

@@ -21,7 +21,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .attention import AttentionMetadata, paged_attention
-from .kv_cache import KVCache, head_dim_of, num_kv_heads_of
+from .hf_config import head_dim_of, num_kv_heads_of, sliding_window_of
 from .weights import load_hf_weights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -37,7 +37,9 @@ class RMSNorm(nn.Module):
         # x / sqrt(mean(x^2) + eps), then a learned per-channel gain. Computed in float32 for
         # every dtype, as transformers does: bf16 sums lose digits, and in float64 it keeps us
         # bit-comparable with the reference implementation.
-        if x.dtype == torch.float32 == self.weight.dtype:  # the same numbers, the gain in the same call
+        if (
+            x.dtype == torch.float32 == self.weight.dtype
+        ):  # the same numbers, the gain in the same call
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -47,20 +49,25 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(hf_config, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position up to max_position_embeddings: two (max_pos, head_dim) float32 tables.
+    """cos and sin for every position up to max_position_embeddings: two (max_pos, head_dim) float32
+    tables.
 
     The frequency variants (linear, llama3, yarn, dynamic, ...) come from transformers;
     like transformers we compute angles in float32 and scale cos/sin by attention_factor.
     """
-    params = getattr(hf_config, "rope_parameters", None) or {"rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+    params = getattr(hf_config, "rope_parameters", None) or {
+        "rope_theta": getattr(hf_config, "rope_theta", 10000.0)
+    }
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         dims = torch.arange(0, head_dim, 2, dtype=torch.float32)
         inv_freq, attention_factor = 1.0 / (params["rope_theta"] ** (dims / head_dim)), 1.0
     elif rope_type == "longrope":
         # longrope switches frequencies with the current sequence length: not one table.
-        raise ValueError("rope_type 'longrope' is not supported; supported: default, " + ", ".join(
-            t for t in ROPE_INIT_FUNCTIONS if t != "longrope"))
+        raise ValueError(
+            "rope_type 'longrope' is not supported; supported: default, "
+            + ", ".join(t for t in ROPE_INIT_FUNCTIONS if t != "longrope")
+        )
     elif rope_type in ROPE_INIT_FUNCTIONS:
         # "dynamic" only rescales beyond max_position_embeddings, where our table ends,
         # so inside the table it is exact.
@@ -68,8 +75,10 @@ def rope_tables(hf_config, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         raise ValueError(f"unknown rope_type {rope_type!r}")
     if 2 * inv_freq.numel() != head_dim:
-        raise ValueError(f"partial rotary embeddings are not supported (rotary dim {2 * inv_freq.numel()} "
-                         f"!= head_dim {head_dim})")
+        raise ValueError(
+            f"partial rotary embeddings are not supported (rotary dim {2 * inv_freq.numel()} "
+            f"!= head_dim {head_dim})"
+        )
     positions = torch.arange(hf_config.max_position_embeddings, dtype=torch.float32)
     angles = positions[:, None] * inv_freq.float()[None, :]  # (max_pos, head_dim / 2)
     angles = torch.cat((angles, angles), dim=-1)  # rotate-half layout: (max_pos, head_dim)
@@ -82,19 +91,9 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate each pair (x[i], x[i + head_dim/2]) by its position's angle. x: (num_tokens, heads, head_dim)."""
+    """Rotate each pair (x[i], x[i + head_dim/2]) by its position's angle. x: (num_tokens, heads,
+    head_dim)."""
     return x * cos + rotate_half(x) * sin
-
-
-def sliding_window_of(hf_config, layer_idx: int) -> int | None:
-    """Keys a query may see in this layer (itself included), or None for full causal attention."""
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    if window is None:
-        return None
-    if layer_types is not None:  # Qwen2/Qwen3: per-layer choice
-        return window if layer_types[layer_idx] == "sliding_attention" else None
-    return window if hf_config.model_type == "mistral" else None
 
 
 class Attention(nn.Module):
@@ -104,8 +103,11 @@ class Attention(nn.Module):
         self.head_dim = head_dim_of(cfg)
         bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = bias or cfg.model_type == "qwen2"  # Qwen2: bias on q, k, v but not on o
-        # q, k and v projections fused into one matmul at load time: (hidden) -> (heads + 2 * kv_heads) * head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, qkv_bias)
+        # q, k and v projections fused into one matmul at load time: (hidden) -> (heads + 2 *
+        # kv_heads) * head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, qkv_bias
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias)
         self.qk_norm = cfg.model_type == "qwen3"  # Qwen3 normalises each q and k head before RoPE
         if self.qk_norm:
@@ -118,12 +120,19 @@ class Attention(nn.Module):
         n = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * kv_heads) * head_dim)
-        qk = qkv[:, :q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)  # q's heads, k's
-        v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, kv_heads, head_dim)
+        # q's heads, k's
+        qk = qkv[:, : q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        # (num_tokens, kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:  # Qwen3: every head normalized, q's and k's with their own gains
-            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # both in one call
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, quant)
+            qk = torch.cat(
+                (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
+            )
+        # both in one call
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        out = paged_attention(
+            q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, quant
+        )
         return self.o_proj(out.view(n, q_size))
 
 
@@ -150,7 +159,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta, quant=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, quant=quant)
+        h = h + self.self_attn(
+            self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, quant=quant
+        )
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -158,12 +169,16 @@ class CausalLM(nn.Module):
     def __init__(self, hf_config):
         super().__init__()
         if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {hf_config.model_type!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(
+                f"model_type {hf_config.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         self.config = hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(hf_config, i) for i in range(hf_config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, i) for i in range(hf_config.num_hidden_layers)
+        )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         # cos/sin of every position, (max_position_embeddings, head_dim); from_hf fills them.
@@ -173,21 +188,30 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
 
     @classmethod
-    def from_hf(cls, hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device) -> "CausalLM":
+    def from_hf(
+        cls, hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device
+    ) -> "CausalLM":
         """Build from a transformers config and a state dict with Hugging Face parameter names."""
         with torch.device("meta"):  # shapes only: no memory, no random init
             model = cls(hf_config)
-        load_hf_weights(model, state_dict, dtype, device)  # names mapped, qkv and gate/up fused (weights.py)
+        # names mapped, qkv and gate/up fused (weights.py)
+        load_hf_weights(model, state_dict, dtype, device)
         cos, sin = rope_tables(hf_config, head_dim_of(hf_config))
-        model.rope_cos, model.rope_sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+        model.rope_cos, model.rope_sin = (
+            cos.to(device=device, dtype=dtype),
+            sin.to(device=device, dtype=dtype),
+        )
         return model.requires_grad_(False).eval()
 
-    def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: (num_tokens,) -> hidden states after the final norm (num_tokens, hidden_size)."""
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) -> hidden states after the final norm (num_tokens,
+        hidden_size)."""
         h = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         # (num_tokens, 1, head_dim): looked up once, shared by every head of every layer
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        for layer, k_cache, v_cache, quant in zip(self.layers, kv_cache.k_caches, kv_cache.v_caches, kv_cache.quant):
+        for layer, k_cache, v_cache, quant in zip(
+            self.layers, kv_cache.k_caches, kv_cache.v_caches, kv_cache.quant
+        ):
             h = layer(h, cos, sin, k_cache, v_cache, meta, quant=quant)
         return self.norm(h)
 

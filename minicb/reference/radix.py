@@ -24,7 +24,8 @@ import heapq
 
 
 class RadixNode:
-    """One edge of the tree: the run of tokens `key` below `parent`, with its children by first token."""
+    """One edge of the tree: the run of tokens `key` below `parent`, with its children by first
+    token."""
 
     __slots__ = ("key", "children", "parent", "ref_count", "last_access")
 
@@ -41,7 +42,10 @@ class RadixNode:
 
     def __repr__(self):
         head = ", ".join(map(str, self.key[:6])) + (", ..." if len(self.key) > 6 else "")
-        return f"RadixNode({len(self.key)} tokens ({head}), ref={self.ref_count}, t={self.last_access})"
+        return (
+            f"RadixNode({len(self.key)} tokens ({head}), ref={self.ref_count}, "
+            f"t={self.last_access})"
+        )
 
 
 def common_prefix_len(a, b) -> int:
@@ -65,7 +69,8 @@ class RadixTree:
     # ------------------------------------------------------------------ walk
     def _walk(self, tokens):
         """Follow `tokens` from the root. Yields (node, matched) for every node entered, where
-        `matched` is how many of that node's key tokens agree with `tokens` (the last may be partial)."""
+        `matched` is how many of that node's key tokens agree with `tokens` (the last may be
+        partial)."""
         node, i = self.root, 0
         while i < len(tokens) and tokens[i] in node.children:
             child = node.children[tokens[i]]
@@ -92,7 +97,8 @@ class RadixTree:
 
     # ------------------------------------------------------------------ insert
     def _split(self, node: RadixNode, at: int) -> RadixNode:
-        """Cut `node`'s key after `at` tokens: a new parent holds the head, `node` keeps the tail."""
+        """Cut `node`'s key after `at` tokens: a new parent holds the head, `node` keeps the
+        tail."""
         head = RadixNode(node.key[:at], node.parent)
         head.ref_count, head.last_access = node.ref_count, node.last_access
         node.parent.children[head.key[0]] = head
@@ -101,7 +107,8 @@ class RadixTree:
         return head
 
     def insert(self, tokens) -> int:
-        """Store `tokens`. Returns how many leading tokens were already stored (the rest are new)."""
+        """Store `tokens`. Returns how many leading tokens were already stored (the rest are
+        new)."""
         self.clock += 1
         tokens = tuple(tokens)
         node, i = self.root, 0
@@ -127,7 +134,9 @@ class RadixTree:
             path.append(node)
             covered += matched
         if covered < len(tokens):
-            raise ValueError(f"only {covered} of {len(tokens)} tokens are stored: insert them before locking")
+            raise ValueError(
+                f"only {covered} of {len(tokens)} tokens are stored: insert them before locking"
+            )
         return path
 
     def lock(self, tokens) -> None:
@@ -136,7 +145,8 @@ class RadixTree:
             node.ref_count += 1
 
     def unlock(self, tokens) -> None:
-        """The request is done with `tokens`: its nodes become evictable again once nothing else holds them."""
+        """The request is done with `tokens`: its nodes become evictable again once nothing else
+        holds them."""
         path = self._path(tokens)
         if any(node.ref_count == 0 for node in path):
             raise ValueError("unlock without a matching lock")
@@ -148,9 +158,12 @@ class RadixTree:
         """Free at least `num_tokens` tokens (fewer if everything left is locked): remove the least
         recently used unlocked leaf, again and again; a parent left without children becomes a leaf
         in turn. Whole nodes go, as in SGLang. Returns the keys removed, in eviction order."""
-        # Ties in last_access (a split and the new leaf share one tick) go by tree order: reproducible.
+        # Ties in last_access (a split and the new leaf share one tick) go by tree order:
+        # reproducible.
         order = {id(n): i for i, n in enumerate(self.nodes())}
-        heap = [(n.last_access, order[id(n)], n) for n in self.nodes() if n.is_leaf and n.ref_count == 0]
+        heap = [
+            (n.last_access, order[id(n)], n) for n in self.nodes() if n.is_leaf and n.ref_count == 0
+        ]
         heapq.heapify(heap)
         removed, freed = [], 0
         while freed < num_tokens and heap:
@@ -194,22 +207,29 @@ class RadixTree:
         total = 0
         for node in self.nodes():
             assert node.key, "a node other than the root has an empty key"
-            assert node.parent.children.get(node.key[0]) is node, "a child is filed under the wrong token"
+            assert node.parent.children.get(node.key[0]) is node, (
+                "a child is filed under the wrong token"
+            )
             assert node.ref_count >= 0, "negative reference count"
             if node.ref_count:
-                assert node.parent is self.root or node.parent.ref_count > 0, "a locked node under an unlocked one"
+                assert node.parent is self.root or node.parent.ref_count > 0, (
+                    "a locked node under an unlocked one"
+                )
             total += len(node.key)
         assert total == self.num_tokens, "num_tokens differs from the tokens stored"
 
     def pretty(self, label=lambda key: str(list(key))) -> str:
-        """One line per node, indented by depth: `label(key)`, its length, ref count and last access."""
+        """One line per node, indented by depth: `label(key)`, its length, ref count and last
+        access."""
         lines = []
 
         def visit(node, depth):
             for t in sorted(node.children):
                 child = node.children[t]
-                lines.append(f"{'  ' * depth}{label(child.key)}  [{len(child.key)} tok, ref {child.ref_count}, "
-                             f"t {child.last_access}]")
+                lines.append(
+                    f"{'  ' * depth}{label(child.key)}  [{len(child.key)} tok, ref "
+                    f"{child.ref_count}, t {child.last_access}]"
+                )
                 visit(child, depth + 1)
 
         visit(self.root, 0)
@@ -217,4 +237,7 @@ class RadixTree:
 
     def __repr__(self):
         leaves = sum(1 for n in self.nodes() if n.is_leaf)
-        return f"RadixTree({self.num_tokens} tokens in {len(self.nodes())} nodes, {leaves} leaves, clock={self.clock})"
+        return (
+            f"RadixTree({self.num_tokens} tokens in {len(self.nodes())} nodes, {leaves} leaves, "
+            f"clock={self.clock})"
+        )

@@ -1,4 +1,5 @@
-"""Log-probabilities: the sampled token's and the top alternatives (logprobs), the prompt's (prompt_logprobs).
+"""Log-probabilities: the sampled token's and the top alternatives (logprobs), the prompt's
+(prompt_logprobs).
 
 They are the log-softmax of the logits after the logits processors (penalties.py) and before
 temperature, top-k, top-p and min-p, in float32 or better whatever the model's dtype. With no
@@ -15,7 +16,7 @@ asks for them takes no prefix-cache hits (a cached block saved the K/V, not the 
 import torch
 from torch import Tensor
 
-from .outputs import Logprob
+from ..outputs import Logprob
 
 
 def logprobs(logits: Tensor) -> Tensor:
@@ -23,9 +24,12 @@ def logprobs(logits: Tensor) -> Tensor:
     return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
 
-def gather_logprobs(logprob_rows: Tensor, token_ids: list[int], num_top: list[int]) -> list[dict[int, Logprob]]:
-    """For each row: {token: Logprob} holding the chosen token (the sampled one, or the prompt's next
-    token) and the row's `num_top` most likely tokens, each with its rank. logprob_rows (n, vocab)."""
+def gather_logprobs(
+    logprob_rows: Tensor, token_ids: list[int], num_top: list[int]
+) -> list[dict[int, Logprob]]:
+    """For each row: {token: Logprob} holding the chosen token (the sampled one, or the prompt's
+    next token) and the row's `num_top` most likely tokens, each with its rank. logprob_rows (n,
+    vocab)."""
     k = max(num_top, default=0)
     top_values, top_ids = logprob_rows.topk(k, dim=-1) if k else (None, None)  # (n, k)
     chosen = torch.tensor(token_ids, dtype=torch.long, device=logprob_rows.device)
@@ -35,7 +39,9 @@ def gather_logprobs(logprob_rows: Tensor, token_ids: list[int], num_top: list[in
     for i, (token, lp, rank) in enumerate(zip(token_ids, chosen_lp[:, 0].tolist(), ranks.tolist())):
         entry = {token: Logprob(lp, rank)}
         if num_top[i]:
-            for r, (t, v) in enumerate(zip(top_ids[i, :num_top[i]].tolist(), top_values[i, :num_top[i]].tolist())):
+            for r, (t, v) in enumerate(
+                zip(top_ids[i, : num_top[i]].tolist(), top_values[i, : num_top[i]].tolist())
+            ):
                 entry.setdefault(t, Logprob(v, r + 1))
         result.append(entry)
     return result
@@ -62,8 +68,13 @@ def prompt_logprobs(rows, hidden: Tensor, row_starts: list[int], compute_logits)
     for i, row in enumerate(rows):
         targets, req = prompt_logprob_targets(row), row.request
         if targets:
-            first = row_starts[i] + targets.start - 1 - row.start  # the position that scores targets[0]
-            lp = logprobs(compute_logits(hidden[first:first + len(targets)]))  # (len(targets), vocab)
-            found[req.request_id] = gather_logprobs(lp, req.token_ids[targets.start:targets.stop],
-                                                    [req.params.prompt_logprobs] * len(targets))
+            # the position that scores targets[0]
+            first = row_starts[i] + targets.start - 1 - row.start
+            # (len(targets), vocab)
+            lp = logprobs(compute_logits(hidden[first : first + len(targets)]))
+            found[req.request_id] = gather_logprobs(
+                lp,
+                req.token_ids[targets.start : targets.stop],
+                [req.params.prompt_logprobs] * len(targets),
+            )
     return found

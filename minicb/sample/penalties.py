@@ -27,18 +27,23 @@ def process_logits(logits: Tensor, params: list, seqs: list) -> Tensor:
         return logits
     out = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)  # (n, vocab)
     vocab, device = out.shape[1], out.device
-    ids = lambda tokens: torch.tensor([t for t in tokens if t < vocab], dtype=torch.long, device=device)
+    ids = lambda tokens: torch.tensor(
+        [t for t in tokens if t < vocab], dtype=torch.long, device=device
+    )
     for i in rows:
         p, seq, row = params[i], seqs[i], out[i]  # row: (vocab,), a view into out
         output_ids = seq.output_token_ids
         if len(output_ids) < p.min_tokens:
             row[ids(seq.stop_token_ids)] = float("-inf")
         if p.logit_bias:
-            row[ids(p.logit_bias)] += torch.tensor([b for t, b in p.logit_bias.items() if t < vocab],
-                                                   dtype=out.dtype, device=device)
+            row[ids(p.logit_bias)] += torch.tensor(
+                [b for t, b in p.logit_bias.items() if t < vocab], dtype=out.dtype, device=device
+            )
         if p.repetition_penalty != 1:
             seen = ids(set(seq.prompt_token_ids) | set(output_ids))
-            row[seen] = torch.where(row[seen] > 0, row[seen] / p.repetition_penalty, row[seen] * p.repetition_penalty)
+            row[seen] = torch.where(
+                row[seen] > 0, row[seen] / p.repetition_penalty, row[seen] * p.repetition_penalty
+            )
         if (p.frequency_penalty or p.presence_penalty) and output_ids:
             counts = torch.bincount(ids(output_ids), minlength=vocab).to(out.dtype)  # (vocab,)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)

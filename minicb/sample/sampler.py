@@ -40,7 +40,6 @@ import torch
 from torch import Tensor
 
 
-
 class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed  # seeds the shared generator used by rows without a seed
@@ -61,7 +60,8 @@ class Sampler:
         return self._shared[device]
 
     def __call__(self, logits: Tensor, params: list, generators: list) -> Tensor:
-        """logits (n, vocab), one params object and one generator (or None) per row -> (n,) int64."""
+        """logits (n, vocab), one params object and one generator (or None) per row -> (n,)
+        int64."""
         n = logits.shape[0]
         if len(params) != n or len(generators) != n:
             raise ValueError(
@@ -80,11 +80,14 @@ class Sampler:
         return tokens
 
     def probabilities(self, logits: Tensor, params: list) -> Tensor:
-        """The distribution each row draws from: (m, vocab) logits of sampled rows (temperature > 0) -> (m, vocab)
-        probabilities after temperature, min-p, top-k and top-p; a truncated token has probability 0."""
+        """The distribution each row draws from: (m, vocab) logits of sampled rows (temperature > 0)
+        -> (m, vocab) probabilities after temperature, min-p, top-k and top-p; a truncated token has
+        probability 0."""
         # Scale in float32 at least (bf16/fp16 lose too much), float64 stays float64.
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        temperature = torch.tensor([p.temperature for p in params], dtype=dtype, device=logits.device)
+        temperature = torch.tensor(
+            [p.temperature for p in params], dtype=dtype, device=logits.device
+        )
         # Subtract each row's max first: the top token sits at exactly 0 and a tiny temperature
         # sends the others to -inf, never to inf - inf = NaN (the clamp: 1e-50 is 0 in float32).
         logits = logits.to(dtype)
@@ -97,8 +100,10 @@ class Sampler:
         return torch.softmax(scaled, dim=-1)
 
     def _apply_min_p(self, scaled: Tensor, params: list) -> Tensor:
-        """Set to -inf the tokens whose probability is below min_p times the row's top probability."""
-        min_p = torch.tensor([p.min_p for p in params], dtype=scaled.dtype, device=scaled.device)  # (m,)
+        """Set to -inf the tokens whose probability is below min_p times the row's top
+        probability."""
+        # (m,)
+        min_p = torch.tensor([p.min_p for p in params], dtype=scaled.dtype, device=scaled.device)
         probs = torch.softmax(scaled, dim=-1)  # (m, vocab)
         too_unlikely = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         return scaled.masked_fill(too_unlikely, float("-inf"))  # the top token always survives
@@ -134,8 +139,13 @@ class Sampler:
         if unseeded:
             shared = self.shared_generator(probs.device)
             index = torch.tensor(unseeded, device=probs.device)
-            uniform[index] = torch.rand(len(unseeded), probs.shape[1], dtype=probs.dtype,
-                                        device=probs.device, generator=shared)
+            uniform[index] = torch.rand(
+                len(unseeded),
+                probs.shape[1],
+                dtype=probs.dtype,
+                device=probs.device,
+                generator=shared,
+            )
         for i, g in enumerate(generators):
             if g is not None:
                 uniform[i].uniform_(generator=g)  # exactly `vocab` draws from this request's stream

@@ -37,16 +37,17 @@ import time
 
 import torch
 
-from .attention import AttentionMetadata, cache_locations, pad_tables
-from .config import cdiv
+from ..config import cdiv
+from ..model_executor.attention import AttentionMetadata, cache_locations, pad_tables
+from ..model_executor.paged_flash import page_pairs
 from .graph_safety import NoHostReads
 from .model_runner import host_inputs
-from .paged_flash import page_pairs
 
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound: a graph buys little there
 BUCKET_STEP = 16  # bucket spacing after 8: padding wastes at most 15 rows
-# Context a graph may attend, rows x columns x block_size tokens: batch 256 at 2,048 tokens. Past it a
-# step's K/V reads (about 1 ms per layer of Qwen3-0.6B on an H100) outweigh eager launches (~1 ms per layer).
+# Context a graph may attend, rows x columns x block_size tokens: batch 256 at 2,048 tokens. Past it
+# a step's K/V reads (about 1 ms per layer of Qwen3-0.6B on an H100) outweigh eager launches (~1 ms
+# per layer).
 MAX_GRAPH_TOKENS = 256 * 2048
 
 
@@ -59,20 +60,27 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 def width_buckets(max_blocks: int) -> list[int]:
-    """Block-table widths to capture: 1, 2, 4, ... and max_blocks last (a step of w columns gets < 2w)."""
+    """Block-table widths to capture: 1, 2, 4, ... and max_blocks last (a step of w columns gets <
+    2w)."""
     return [1 << i for i in range(max_blocks.bit_length()) if 1 << i < max_blocks] + [max_blocks]
 
 
-def graph_shapes(max_batch: int, max_blocks: int, block_size: int, max_tokens: int = MAX_GRAPH_TOKENS):
-    """Batch buckets, and for each the widths captured: those attending at most max_tokens, and 1 always."""
+def graph_shapes(
+    max_batch: int, max_blocks: int, block_size: int, max_tokens: int = MAX_GRAPH_TOKENS
+):
+    """Batch buckets, and for each the widths captured: those attending at most max_tokens, and 1
+    always."""
     buckets = batch_buckets(min(max_batch, MAX_GRAPH_BATCH))
-    return buckets, {b: [w for w in width_buckets(max_blocks) if w == 1 or b * w * block_size <= max_tokens]
-                     for b in buckets}
+    return buckets, {
+        b: [w for w in width_buckets(max_blocks) if w == 1 or b * w * block_size <= max_tokens]
+        for b in buckets
+    }
 
 
 class CapturedStep:
-    """One captured step: a torch.cuda.CUDAGraph on CUDA, the kept callable elsewhere. `output` is the
-    same tensor after every replay, overwritten each time (on CUDA, in the graphs' pool): read it first."""
+    """One captured step: a torch.cuda.CUDAGraph on CUDA, the kept callable elsewhere. `output` is
+    the same tensor after every replay, overwritten each time (on CUDA, in the graphs' pool): read
+    it first."""
 
     def __init__(self, fn, device: torch.device, pool=None):
         self.emulated = device.type != "cuda"
@@ -99,18 +107,28 @@ class DecodeGraphRunner:
     All graphs are captured eagerly, when the runner is built (at engine start).
     """
 
-    def __init__(self, runner, max_batch_size: int | None = None, max_graph_tokens: int = MAX_GRAPH_TOKENS):
+    def __init__(
+        self, runner, max_batch_size: int | None = None, max_graph_tokens: int = MAX_GRAPH_TOKENS
+    ):
         config, kv_cache = runner.config, runner.kv_cache
         if config.max_blocks_per_seq is None:
-            raise ValueError("CUDA-graph decode needs config.max_model_len: it bounds the block-table width")
+            raise ValueError(
+                "CUDA-graph decode needs config.max_model_len: it bounds the block-table width"
+            )
         self.model, self.kv_cache, self.device = runner.model, kv_cache, runner.device
         self.emulated = self.device.type != "cuda"
         self.block_size = config.block_size
-        self.max_blocks = config.max_blocks_per_seq  # block-table columns: ceil(max_model_len / block_size)
-        self.pages = runner.attention_backend == "flash_pages"  # decode reads pages in place (paged_flash.py)
+        # block-table columns: ceil(max_model_len / block_size)
+        self.max_blocks = config.max_blocks_per_seq
+        # decode reads pages in place (paged_flash.py)
+        self.pages = runner.attention_backend == "flash_pages"
         self.sink_block_id, self.sink_loc = kv_cache.sink_block_id, kv_cache.sink_loc
-        self.buckets, self.widths = graph_shapes(min(config.max_num_seqs, max_batch_size or MAX_GRAPH_BATCH),
-                                                 self.max_blocks, self.block_size, max_graph_tokens)
+        self.buckets, self.widths = graph_shapes(
+            min(config.max_num_seqs, max_batch_size or MAX_GRAPH_BATCH),
+            self.max_blocks,
+            self.block_size,
+            max_graph_tokens,
+        )
 
         # Static inputs sized for the largest bucket; a graph reads their first rows (and columns).
         n, long = self.buckets[-1], dict(dtype=torch.long, device=self.device)
@@ -119,7 +137,8 @@ class DecodeGraphRunner:
         self.cache_locs = torch.zeros(n, **long)  # (n,)
         self.context_lens = torch.zeros(n, **long)  # (n,)
         self.block_tables = torch.zeros(n, self.max_blocks, **long)  # (n, max_blocks)
-        self.query_start_loc = torch.arange(n + 1, **long)  # (n + 1,): one query per row, never changes
+        # (n + 1,): one query per row, never changes
+        self.query_start_loc = torch.arange(n + 1, **long)
 
         self.pool = None if self.emulated else torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], CapturedStep] = {}  # (rows, columns) -> its graph
@@ -130,12 +149,13 @@ class DecodeGraphRunner:
 
     # ------------------------------------------------------------------ capture
     def _step_fn(self, b: int, w: int):
-        """The decode step of b rows and w table columns as a callable over the static buffers only."""
+        """The decode step of b rows and w table columns as a callable over the static buffers
+        only."""
         meta = AttentionMetadata(
             cache_locs=self.cache_locs[:b],
             block_tables=self.block_tables[:b, :w],
             context_lens=self.context_lens[:b],
-            query_start_loc=self.query_start_loc[:b + 1],
+            query_start_loc=self.query_start_loc[: b + 1],
             num_decodes=b,  # a shape, the same at every replay
             # Host lists hold capture-time (padding) values, as a graph would freeze them.
             # The decode path must never read them; tests/test_cuda_graph.py shows it would tell.
@@ -146,9 +166,14 @@ class DecodeGraphRunner:
 
         def step():
             if self.pages:  # the (row, block) pairs, computed on the device inside the graph
-                meta.pages = page_pairs(meta.block_tables, meta.context_lens, self.block_size,
-                                        self.kv_cache.num_locations)
-            return self.model(input_ids, positions, self.kv_cache, meta)  # (b, hidden): the logits run after
+                meta.pages = page_pairs(
+                    meta.block_tables,
+                    meta.context_lens,
+                    self.block_size,
+                    self.kv_cache.num_locations,
+                )
+            # (b, hidden): the logits run after
+            return self.model(input_ids, positions, self.kv_cache, meta)
 
         return step
 
@@ -160,7 +185,11 @@ class DecodeGraphRunner:
         for b in reversed(self.buckets):  # largest first: it sizes the shared pool
             for i, w in enumerate(reversed(self.widths[b])):
                 step = self._step_fn(b, w)
-                if i == 0:  # warm-up outside the capture: lazy init (cuBLAS handles, workspaces) happens here
+                if (
+                    i == 0
+                    # warm-up outside the capture: lazy init (cuBLAS handles, workspaces) happens
+                    # here
+                ):
                     step()
                     if not self.emulated:
                         torch.cuda.synchronize(self.device)
@@ -174,20 +203,26 @@ class DecodeGraphRunner:
         return self.buckets[i] if i < len(self.buckets) and batch_size > 0 else None
 
     def graph_for(self, batch_size: int, width: int) -> tuple[int, int] | None:
-        """(rows, columns) of the smallest graph holding batch_size rows of `width` table columns, or None."""
+        """(rows, columns) of the smallest graph holding batch_size rows of `width` table columns,
+        or None."""
         b = self.bucket_for(batch_size)
         w = next((w for w in self.widths[b] if w >= width), None) if b is not None else None
         return None if w is None else (b, w)
 
     def can_run(self, out) -> bool:
-        """True for a step of decode rows only (verifying rows included: one graph row per token) that fits a graph."""
+        """True for a step of decode rows only (verifying rows included: one graph row per token)
+        that fits a graph."""
         rows, bs = out.scheduled, self.block_size
-        width = max((cdiv(r.start + r.num_tokens, bs) for r in rows), default=0)  # table columns it reads
-        return (all(not r.is_prefill and r.do_sample for r in rows) and
-                self.graph_for(sum(r.num_tokens for r in rows), width) is not None)
+        # table columns it reads
+        width = max((cdiv(r.start + r.num_tokens, bs) for r in rows), default=0)
+        return (
+            all(not r.is_prefill and r.do_sample for r in rows)
+            and self.graph_for(sum(r.num_tokens for r in rows), width) is not None
+        )
 
     def _pad(self, start: int, stop: int) -> None:
-        """Make rows start..stop-1 padding: token 0 at position 0, writing and reading only the sink."""
+        """Make rows start..stop-1 padding: token 0 at position 0, writing and reading only the
+        sink."""
         self.input_ids[start:stop] = 0
         self.positions[start:stop] = 0
         self.cache_locs[start:stop] = self.sink_loc
@@ -196,38 +231,48 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def run(self, out, h=None) -> torch.Tensor:
-        """Copy the live batch in, pad to its graph, replay. Returns (num_tokens, vocab) logits, in row order
-        (one graph row per token: a verifying row of k drafts fills k + 1). `h`: the step's HostInputs, if made."""
+        """Copy the live batch in, pad to its graph, replay. Returns (num_tokens, vocab) logits, in
+        row order (one graph row per token: a verifying row of k drafts fills k + 1). `h`: the
+        step's HostInputs, if made."""
         bs = self.block_size
-        # Host-side bookkeeping, outside the graph (Python values are fine here): the eager path's lists.
+        # Host-side bookkeeping, outside the graph (Python values are fine here): the eager path's
+        # lists.
         h = h or host_inputs(out, bs)
         num_rows = len(h.input_ids)
         width = max((len(t) for t in h.block_tables), default=0)  # the columns this step needs
         key = self.graph_for(num_rows, width) if self.can_run(out) else None
         if key is None:
-            raise ValueError(f"not a decode-only step of 1..{self.buckets[-1]} rows of at most "
-                             f"{self.widths[self.buckets[0]][-1]} table columns: run it eagerly")
+            raise ValueError(
+                f"not a decode-only step of 1..{self.buckets[-1]} rows of at most "
+                f"{self.widths[self.buckets[0]][-1]} table columns: run it eagerly"
+            )
         locs = cache_locations(h.block_tables, h.context_lens, h.query_lens, bs)
 
         def host(x):
-            return torch.tensor(x, dtype=torch.long)  # built on the CPU; copy_ moves it to the device
+            # built on the CPU; copy_ moves it to the device
+            return torch.tensor(x, dtype=torch.long)
 
         self.input_ids[:num_rows].copy_(host(h.input_ids))
         self.positions[:num_rows].copy_(host(h.positions))
         self.cache_locs[:num_rows].copy_(host(locs))
         self.context_lens[:num_rows].copy_(host(h.context_lens))
-        self.block_tables[:num_rows, :width].copy_(host(pad_tables(h.block_tables, width, self.sink_block_id)))
+        self.block_tables[:num_rows, :width].copy_(
+            host(pad_tables(h.block_tables, width, self.sink_block_id))
+        )
         self.block_tables[:num_rows, width:] = self.sink_block_id  # masked (or empty pages) anyway
         self._pad(num_rows, key[0])
         graph = self.graphs[key]
         graph.replay()
         self.last_bucket, self.last_width = key
         self.num_replays += 1
-        # Logits outside the graph, for the live rows only: a graph's output stays allocated as long as the
-        # graph, and 115 graphs' (rows, vocab) logits held 2.8 GiB on the H200; their hidden states hold 20 MB.
+        # Logits outside the graph, for the live rows only: a graph's output stays allocated as long
+        # as the graph, and 115 graphs' (rows, vocab) logits held 2.8 GiB on the H200; their hidden
+        # states hold 20 MB.
         return self.model.compute_logits(graph.output[:num_rows])  # (num_tokens, vocab)
 
     def __repr__(self) -> str:
         mode = "emulated on CPU" if self.emulated else f"CUDA graphs on {self.device}"
-        return (f"DecodeGraphRunner({mode}, {len(self.graphs)} graphs: buckets={self.buckets}, "
-                f"widths={self.widths[self.buckets[0]]}, captured in {self.capture_seconds:.2f} s)")
+        return (
+            f"DecodeGraphRunner({mode}, {len(self.graphs)} graphs: buckets={self.buckets}, "
+            f"widths={self.widths[self.buckets[0]]}, captured in {self.capture_seconds:.2f} s)"
+        )

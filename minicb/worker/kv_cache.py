@@ -22,29 +22,23 @@ The cache may hold another dtype than the model computes in (kv_cache_dtype="fp8
 
 import torch
 
-from .kv_quant import KVQuant
-
-
-def head_dim_of(hf_config) -> int:
-    """Size of one attention head (Qwen3 sets it explicitly, others derive it)."""
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def num_kv_heads_of(hf_config) -> int:
-    """Number of key/value heads (fewer than query heads with grouped-query attention)."""
-    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-
-
-def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
-    """Bytes of cache one token needs: K and V, in every layer, for every kv head."""
-    return 2 * hf_config.num_hidden_layers * num_kv_heads_of(hf_config) * head_dim_of(hf_config) * dtype.itemsize
+from ..model_executor.hf_config import head_dim_of, num_kv_heads_of
+from ..model_executor.kv_quant import KVQuant
 
 
 class KVCache:
     """Paged K/V tensors for every layer, plus the sink block and CPU swap space."""
 
-    def __init__(self, hf_config, num_blocks: int, block_size: int, dtype, device, num_cpu_blocks: int = 0,
-                 cache_dtype=None):
+    def __init__(
+        self,
+        hf_config,
+        num_blocks: int,
+        block_size: int,
+        dtype,
+        device,
+        num_cpu_blocks: int = 0,
+        cache_dtype=None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -59,14 +53,19 @@ class KVCache:
         self.dtype = dtype  # what attention computes in
         self.cache_dtype = cache_dtype or dtype  # what the cache holds: fewer bytes, more blocks
         self.device = torch.device(device)
-        # Per layer, None when the cache holds the model's dtype; else how K/V go in and out (with fp8 scales)
-        self.quant = [KVQuant(self.cache_dtype, self.device) if self.cache_dtype != dtype else None
-                      for _ in range(self.num_layers)]
-        storage = self.quant[0].storage_dtype() if self.quant[0] else dtype  # fp8 bytes are kept as uint8
+        # Per layer, None when the cache holds the model's dtype; else how K/V go in and out (with
+        # fp8 scales)
+        self.quant = [
+            KVQuant(self.cache_dtype, self.device) if self.cache_dtype != dtype else None
+            for _ in range(self.num_layers)
+        ]
+        # fp8 bytes are kept as uint8
+        storage = self.quant[0].storage_dtype() if self.quant[0] else dtype
         self.num_cpu_blocks = num_cpu_blocks
         self.sink_block_id = num_blocks  # the extra block at the end
         self.sink_loc = self.sink_block_id * block_size  # the sink's first cache location
-        self.num_locations = (num_blocks + 1) * block_size  # rows of the flat (locations, kv_heads, head_dim) view
+        # rows of the flat (locations, kv_heads, head_dim) view
+        self.num_locations = (num_blocks + 1) * block_size
 
         # One tensor for all layers, so that swapping a set of blocks is one
         # index_select over dim 1 instead of a loop over layers.
@@ -74,7 +73,9 @@ class KVCache:
         block_shape = (block_size, self.num_kv_heads, self.head_dim)
         # zeros, not empty: padded rows read the sink, and although their attention weights on it
         # are masked to 0, 0 * NaN from uninitialised memory would still be NaN.
-        self.k = torch.zeros((self.num_layers, num_blocks + 1, *block_shape), dtype=storage, device=self.device)
+        self.k = torch.zeros(
+            (self.num_layers, num_blocks + 1, *block_shape), dtype=storage, device=self.device
+        )
         self.v = torch.zeros_like(self.k)
         self.k_caches = list(self.k.unbind(0))  # views, one per layer
         self.v_caches = list(self.v.unbind(0))
@@ -104,12 +105,14 @@ class KVCache:
         self._check_ids(cpu_ids, self.num_cpu_blocks, "cpu")
         src = torch.tensor(gpu_ids, dtype=torch.long, device=self.device)
         dst = torch.tensor(cpu_ids, dtype=torch.long)
-        # (num_layers, len(pairs), block_size, kv_heads, head_dim) gathered on device, then one transfer
+        # (num_layers, len(pairs), block_size, kv_heads, head_dim) gathered on device, then one
+        # transfer
         self.cpu_k.index_copy_(1, dst, self.k.index_select(1, src).cpu())
         self.cpu_v.index_copy_(1, dst, self.v.index_select(1, src).cpu())
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy CPU blocks back to device blocks, all layers at once. pairs: (cpu_block, gpu_block)."""
+        """Copy CPU blocks back to device blocks, all layers at once. pairs: (cpu_block,
+        gpu_block)."""
         if not pairs:
             return
         cpu_ids, gpu_ids = [c for c, _ in pairs], [g for _, g in pairs]
@@ -121,7 +124,8 @@ class KVCache:
         self.v.index_copy_(1, dst, self.cpu_v.index_select(1, src).to(self.device))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: device block src to device block dst, all layers at once. pairs: (src, dst)."""
+        """Copy-on-write: device block src to device block dst, all layers at once. pairs: (src,
+        dst)."""
         if not pairs:
             return
         src_ids, dst_ids = [s for s, _ in pairs], [d for _, d in pairs]
@@ -135,7 +139,7 @@ class KVCache:
         mib = self.num_bytes / 2**20
         return (
             f"KVCache(layers={self.num_layers}, blocks={self.num_blocks} + 1 sink, "
-            f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"dtype={str(self.cache_dtype).removeprefix('torch.')}, device={self.device}, "
-            f"{mib:.1f} MiB, cpu_blocks={self.num_cpu_blocks})"
+            f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dtype={str(self.cache_dtype).removeprefix('torch.')}, "
+            f"device={self.device}, {mib:.1f} MiB, cpu_blocks={self.num_cpu_blocks})"
         )
