@@ -6,21 +6,29 @@ trace, sim) imports no torch; `LLM` and `Engine` (the torch side) are imported o
 """
 
 from .config import EngineConfig
+from .core.request import RequestStatus
 from .outputs import CompletionOutput, RequestOutput
-from .request import RequestStatus
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestStatus"]
+__all__ = [
+    "LLM",
+    "Engine",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestStatus",
+]
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
     if name == "LLM":
-        from .llm import LLM
+        from .engine.llm import LLM
 
         return LLM
     if name == "Engine":
-        from .engine import Engine
+        from .engine.llm_engine import Engine
 
         return Engine
     raise AttributeError(f"module 'minicb' has no attribute {name!r}")

@@ -9,14 +9,13 @@ never reads a file or touches a device (the engine resolves model-dependent valu
 import dataclasses
 from dataclasses import dataclass
 
-from .spec_decode import SpeculativeConfig
-
 BATCHING_MODES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")  # vLLM has the first two; "sjf" is minicb's
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "gather", "flash_pages")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")  # kv_quant.CACHE_DTYPES
+# kv_quant.CACHE_DTYPES
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -31,28 +30,38 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda"
 
     # --- paged KV memory ---
-    # Tokens per KV block; None: 16 on CPU (small blocks waste little), 256 on CUDA, where decode reads each
-    # block in place as one flash-attention problem and small blocks make tiny ones (paged_flash.py)
+    # Tokens per KV block; None: 16 on CPU (small blocks waste little), 256 on CUDA, where decode
+    # reads each block in place as one flash-attention problem and small blocks make tiny ones
+    # (paged_flash.py)
     block_size: int | None = None
-    num_blocks: int | None = None  # KV blocks on the device; None: derived from kv_cache_memory_bytes
-    # Memory budget of the KV cache (vLLM's name). None: 512 MiB on CPU, which a laptop can spare; on CUDA
-    # what gpu_memory_utilization leaves after the weights, activations and graphs, measured (memory.py)
+    num_blocks: int | None = (
+        None  # KV blocks on the device; None: derived from kv_cache_memory_bytes
+    )
+    # Memory budget of the KV cache (vLLM's name). None: 512 MiB on CPU, which a laptop can spare;
+    # on CUDA what gpu_memory_utilization leaves after the weights, activations and graphs, measured
+    # (memory.py)
     kv_cache_memory_bytes: int | None = None
     # CUDA: the share of the GPU's memory this engine fills. vLLM used 0.9 until it moved to 0.92
     # (vllm/config/cache.py, `CacheConfig.gpu_memory_utilization`); minicb keeps 0.9
     gpu_memory_utilization: float = 0.9
-    # What the cache stores (vLLM's names): "auto" the model's dtype (exact); "bfloat16"/"float16" half of
-    # float32; "fp8" (= "fp8_e4m3") one byte a value, twice the blocks of bfloat16, some rounding error
+    # What the cache stores (vLLM's names): "auto" the model's dtype (exact); "bfloat16"/"float16"
+    # half of float32; "fp8" (= "fp8_e4m3") one byte a value, twice the blocks of bfloat16, some
+    # rounding error
     kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False  # fp8: scales from the first forward's amax (vLLM's), not 1.0
+    # fp8: scales from the first step's amax (minicb's own; vLLM removed its option, PR #49389)
+    calculate_kv_scales: bool = False
     num_cpu_blocks: int | None = None  # swap space in blocks; None: as many as num_blocks
     enable_prefix_caching: bool = True  # reuse full blocks whose token prefix was computed before
-    max_model_len: int | None = None  # prompt + output limit; None: the model's (or unlimited in sim)
+    max_model_len: int | None = (
+        None  # prompt + output limit; None: the model's (or unlimited in sim)
+    )
 
     # --- scheduling ---
-    # Batch slots, requests running at once (a decode step's batch size); None: 64 on CPU, 256 on CUDA
+    # Batch slots, requests running at once (a decode step's batch size); None: 64 on CPU, 256 on
+    # CUDA
     max_num_seqs: int | None = None
-    # Token budget of one step (decodes + prefill chunks); None: 256 on CPU, 8192 on CUDA (whose matmuls fill up later)
+    # Token budget of one step (decodes + prefill chunks); None: 256 on CPU, 8192 on CUDA (whose
+    # matmuls fill up later)
     max_num_batched_tokens: int | None = None
     # "static" (minicb only, to compare against): admit a batch, wait until all of it has finished
     batching: str = "continuous"
@@ -68,18 +77,21 @@ class EngineConfig:
     # vLLM's name for the same switch: enforce_eager=True means use_cuda_graph=False (and refuses
     # use_cuda_graph=True); False, vLLM's default, leaves use_cuda_graph as it is
     enforce_eager: bool = False
-    # Decode attention: "gather" copies each row's blocks and masks (attention.py, the reference), "flash_pages"
-    # reads them in place (paged_flash.py; CPU: a slow reference kernel), "auto": flash_pages on CUDA where it runs
+    # Decode attention: "gather" copies each row's blocks and masks (attention.py, the reference),
+    # "flash_pages" reads them in place (paged_flash.py; CPU: a slow reference kernel), "auto":
+    # flash_pages on CUDA where it runs
     attention_backend: str = "auto"
-    # float32 on CPU: "auto" times oneDNN's packed weights against torch.matmul on each linear shape once
-    # per machine and keeps the faster (which one wins differs: AVX-512 vs AVX2); True packs all, False
-    # none; "other" takes the kernels "auto" rejected (so does "auto" under MINICB_CPU_KERNELS=other)
+    # float32 on CPU: "auto" times oneDNN's packed weights against torch.matmul on each linear shape
+    # once per machine and keeps the faster (which one wins differs: AVX-512 vs AVX2); True packs
+    # all, False none; "other" takes the kernels "auto" rejected (so does "auto" under
+    # MINICB_CPU_KERNELS=other)
     prepack_cpu_weights: bool | str = "auto"
-    # Split every layer over N processes (vLLM's name): each holds 1/N of the heads and MLP features and
-    # the KV cache of its own KV heads; N must divide the model's KV heads (parallel.py)
+    # Split every layer over N processes (vLLM's name): each holds 1/N of the heads and MLP features
+    # and the KV cache of its own KV heads; N must divide the model's KV heads (parallel.py)
     tensor_parallel_size: int = 1
-    # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
-    # "prompt_lookup_min": m}. None: off (it pays where outputs copy their context; spec_decode.py)
+    # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m}. None: off (it pays where outputs copy their
+    # context; spec_decode.py)
     speculative_config: object = None
     seed: int = 0  # generator for sampled requests that carry no seed of their own
     record_trace: bool = True  # keep one StepRecord per step (notebooks); servers may turn it off
@@ -87,10 +99,18 @@ class EngineConfig:
     def __post_init__(self):
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        for name, cpu, cuda in (("block_size", 16, 256), ("max_num_seqs", 64, 256), ("max_num_batched_tokens", 256, 8192)):
-            if getattr(self, name) is None:  # the device's default (frozen: set it the dataclass way)
+        for name, cpu, cuda in (
+            ("block_size", 16, 256),
+            ("max_num_seqs", 64, 256),
+            ("max_num_batched_tokens", 256, 8192),
+        ):
+            if (
+                getattr(self, name) is None
+            ):  # the device's default (frozen: set it the dataclass way)
                 object.__setattr__(self, name, cuda if self.device.startswith("cuda") else cpu)
-        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.of(self.speculative_config)
+        )
 
         def positive(name, allow_none=False):
             value = getattr(self, name)
@@ -99,12 +119,18 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+        ):
             positive(name)
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
             positive(name, allow_none=True)
         if self.num_cpu_blocks is not None and (
-            not isinstance(self.num_cpu_blocks, int) or isinstance(self.num_cpu_blocks, bool)
+            not isinstance(self.num_cpu_blocks, int)
+            or isinstance(self.num_cpu_blocks, bool)
             or self.num_cpu_blocks < 0
         ):
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
@@ -118,24 +144,45 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {allowed}")
-        if not (self.use_cuda_graph is True or self.use_cuda_graph is False or self.use_cuda_graph == "auto"):
-            raise ValueError(f"use_cuda_graph must be True, False or 'auto', got {self.use_cuda_graph!r}")
+        if not (
+            self.use_cuda_graph is True
+            or self.use_cuda_graph is False
+            or self.use_cuda_graph == "auto"
+        ):
+            raise ValueError(
+                f"use_cuda_graph must be True, False or 'auto', got {self.use_cuda_graph!r}"
+            )
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.enforce_eager and self.use_cuda_graph is True:
-            raise ValueError("enforce_eager=True (vLLM's name for use_cuda_graph=False) "
-                             "contradicts use_cuda_graph=True: give one of them")
+            raise ValueError(
+                "enforce_eager=True (vLLM's name for use_cuda_graph=False) "
+                "contradicts use_cuda_graph=True: give one of them"
+            )
         if self.enforce_eager:
             object.__setattr__(self, "use_cuda_graph", False)  # the alias, resolved once
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
-            raise ValueError(f"calculate_kv_scales needs an fp8 KV cache, but kv_cache_dtype is {self.kv_cache_dtype!r}")
+            raise ValueError(
+                "calculate_kv_scales needs an fp8 KV cache, but kv_cache_dtype is "
+                f"{self.kv_cache_dtype!r}"
+            )
         if self.tensor_parallel_size > 1 and self.use_cuda_graph is True:
-            raise ValueError("CUDA graphs are not supported with tensor_parallel_size > 1: use use_cuda_graph=False")
+            raise ValueError(
+                "CUDA graphs are not supported with tensor_parallel_size > 1: use "
+                "use_cuda_graph=False"
+            )
         if self.prepack_cpu_weights not in (True, False, "auto", "other"):
-            raise ValueError(f"prepack_cpu_weights must be True, False, 'auto' or 'other', "
-                             f"got {self.prepack_cpu_weights!r}")
-        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+            raise ValueError(
+                f"prepack_cpu_weights must be True, False, 'auto' or 'other', "
+                f"got {self.prepack_cpu_weights!r}"
+            )
+        if not (
+            isinstance(self.gpu_memory_utilization, (int, float))
+            and 0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
 
     @property
     def max_blocks_per_seq(self) -> int | None:
@@ -154,3 +201,76 @@ class EngineConfig:
     def replace(self, **changes) -> "EngineConfig":
         """A validated copy with some fields changed (the config itself is frozen)."""
         return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------- speculative decoding
+# vLLM also has draft models, EAGLE, Medusa, MTP: minicb has the one that needs no weights
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`, with its defaults: LLM(..., speculative_config={"method":
+    "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}). A bound that is not given equals
+    the other (vLLM's rule: min = max = 3 here); neither given: both 5."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = (
+        None  # k: drafts per step, a step yields up to k + 1 tokens (required)
+    )
+    prompt_lookup_max: int | None = (
+        None  # the longest suffix looked up (tried first: a longer match guesses better)
+    )
+    prompt_lookup_min: int | None = None  # the shortest; short suffixes match often and guess worse
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported; choose one of "
+                f"{METHODS}"
+            )
+        if self.num_speculative_tokens is None:
+            raise ValueError(
+                "speculative_config needs num_speculative_tokens (the drafts verified per step)"
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        object.__setattr__(
+            self, "prompt_lookup_min", lo if lo is not None else hi if hi is not None else 5
+        )
+        object.__setattr__(
+            self, "prompt_lookup_max", hi if hi is not None else self.prompt_lookup_min
+        )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"speculative_config {name} must be a positive integer, got {value!r}"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def of(cls, value) -> "SpeculativeConfig | None":
+        """From what a user passes: None (off), a dict with vLLM's keys, or a SpeculativeConfig."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative_config must be a dict such as {{'method': 'ngram', "
+                f"'num_speculative_tokens': 4}}, got {value!r}"
+            )
+        unknown = set(value) - {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+        }
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config keys {sorted(unknown)}; minicb knows method, "
+                f"num_speculative_tokens, prompt_lookup_max and prompt_lookup_min"
+            )
+        return cls(**value)

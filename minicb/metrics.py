@@ -37,20 +37,22 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    _times: list[float] = field(default_factory=list, repr=False)  # only ever grows; snapshots share it
-    _seen: int | None = field(default=None, repr=False)  # a snapshot sees only its first _seen entries
+    # only ever grows; snapshots share it
+    _times: list[float] = field(default_factory=list, repr=False)
+    # a snapshot sees only its first _seen entries
+    _seen: int | None = field(default=None, repr=False)
 
     @property
     def token_times(self) -> list[float]:
         """When each output token came out, in order (inter-token latency is their differences)."""
-        return self._times if self._seen is None else self._times[:self._seen]
+        return self._times if self._seen is None else self._times[: self._seen]
 
     def record_token(self, t: float) -> None:
         self._times.append(t)
 
     def snapshot(self) -> "RequestMetrics":
-        """A copy that later tokens do not change. O(1) per step, not O(tokens so far): it shares the
-        list of times, which only grows, and remembers how much of it existed."""
+        """A copy that later tokens do not change. O(1) per step, not O(tokens so far): it shares
+        the list of times, which only grows, and remembers how much of it existed."""
         return dataclasses.replace(self, _seen=len(self._times))
 
     @property
@@ -68,7 +70,8 @@ class RequestMetrics:
 
 
 def tpot(metrics, num_output_tokens: int) -> float | None:
-    """TPOT of one request from its RequestMetrics (None with fewer than two tokens or unfinished)."""
+    """TPOT of one request from its RequestMetrics (None with fewer than two tokens or
+    unfinished)."""
     if metrics.first_token_time is None or metrics.finish_time is None:
         return None
     return mean_gap(metrics.first_token_time, metrics.finish_time, num_output_tokens)
@@ -97,10 +100,12 @@ class Summary:
 
     def __str__(self):
         ms = lambda x: f"{1000 * x:.0f} ms"
-        return (f"{self.num_requests} requests, {self.output_tokens} tokens in {self.wall_time:.2f} s: "
-                f"{self.throughput:.1f} tok/s | TTFT p50 {ms(self.ttft_p50)} p99 {ms(self.ttft_p99)} | "
-                f"TPOT p50 {ms(self.tpot_p50)} p99 {ms(self.tpot_p99)} | "
-                f"ITL p50 {ms(self.itl_p50)} p99 {ms(self.itl_p99)} max {ms(self.itl_max)}")
+        return (
+            f"{self.num_requests} requests, {self.output_tokens} tokens in {self.wall_time:.2f} s: "
+            f"{self.throughput:.1f} tok/s | TTFT p50 {ms(self.ttft_p50)} p99 {ms(self.ttft_p99)} | "
+            f"TPOT p50 {ms(self.tpot_p50)} p99 {ms(self.tpot_p99)} | "
+            f"ITL p50 {ms(self.itl_p50)} p99 {ms(self.itl_p99)} max {ms(self.itl_max)}"
+        )
 
 
 def summarize(outputs) -> Summary:
@@ -113,7 +118,17 @@ def summarize(outputs) -> Summary:
     tpots = [t for o in outputs if (t := tpot(o.metrics, len(o.outputs[0].token_ids))) is not None]
     queues = [m.queue_time for m in ms if m.queue_time is not None]
     itls = [gap for m in ms for gap in inter_token_latencies(m)]
-    return Summary(len(outputs), ntok, end - start, ntok / (end - start) if end > start else float("nan"),
-                   percentile(ttfts, 50), percentile(ttfts, 99), percentile(tpots, 50), percentile(tpots, 99),
-                   percentile(itls, 50), percentile(itls, 99), max(itls, default=float("nan")),
-                   percentile(queues, 50))
+    return Summary(
+        len(outputs),
+        ntok,
+        end - start,
+        ntok / (end - start) if end > start else float("nan"),
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        percentile(tpots, 50),
+        percentile(tpots, 99),
+        percentile(itls, 50),
+        percentile(itls, 99),
+        max(itls, default=float("nan")),
+        percentile(queues, 50),
+    )

@@ -7,7 +7,7 @@ never changes.
 
 from dataclasses import dataclass, field
 
-from .request import RequestMetrics
+from .metrics import RequestMetrics
 
 
 @dataclass
@@ -30,7 +30,9 @@ class CompletionOutput:
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when requested
     logprobs: list | None = None  # per token: {token id: logprob}, when requested
     finish_reason: str | None = None  # "stop" | "length" | "abort" (| "error") once finished
-    stop_reason: int | str | None = None  # the stop token id (or string) that ended it; None for EOS
+    stop_reason: int | str | None = (
+        None  # the stop token id (or string) that ended it; None for EOS
+    )
     new_token_ids: list[int] = field(default_factory=list)  # minicb: the tokens added in this step
 
     def finished(self) -> bool:
@@ -54,7 +56,12 @@ class RequestOutput:
     error: str | None = None  # minicb: what went wrong when the finish reason is "error"
 
     def __repr__(self):
-        outs = ", ".join(f"#{o.index}: {len(o.token_ids)} tokens {o.text[:40]!r}"
-                         + (f" ({o.finish_reason})" if o.finish_reason else "") for o in self.outputs)
-        return (f"RequestOutput({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, "
-                f"finished={self.finished}, outputs=[{outs}])")
+        outs = ", ".join(
+            f"#{o.index}: {len(o.token_ids)} tokens {o.text[:40]!r}"
+            + (f" ({o.finish_reason})" if o.finish_reason else "")
+            for o in self.outputs
+        )
+        return (
+            f"RequestOutput({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, "
+            f"finished={self.finished}, outputs=[{outs}])"
+        )

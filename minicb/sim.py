@@ -8,9 +8,9 @@ number the real engine would produce for the same lengths. Time is measured in s
 from dataclasses import dataclass
 
 from .config import EngineConfig
-from .request import Request
+from .core.request import Request
+from .core.scheduler import Scheduler, SchedulerOutput
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
 from .trace import Trace
 
 SIM_NUM_BLOCKS = 4096  # used when the config leaves num_blocks to the engine: memory is ample
@@ -21,10 +21,14 @@ class SimRequest:
     prompt_len: int
     output_len: int
     arrival_step: int = 0  # the first step in which it may be scheduled (0 and 1: from the start)
-    priority: int = 0  # with scheduling_policy="priority": the lowest value is served first (vLLM's rule)
+    priority: int = (
+        0  # with scheduling_policy="priority": the lowest value is served first (vLLM's rule)
+    )
     prompt_token_ids: list[int] | None = None  # give two requests the same prefix to share blocks
     request_id: str | None = None  # default: its index in the input list
-    n: int = 1  # samples of one prompt: they fork after its prefill and share its blocks (copy-on-write)
+    n: int = (
+        1  # samples of one prompt: they fork after its prefill and share its blocks (copy-on-write)
+    )
 
 
 @dataclass
@@ -40,7 +44,8 @@ class SimRequestResult:
 
     @property
     def ttft_steps(self) -> int:
-        """Steps from arrival to first token, counting both ends (first token in its arrival step: 1)."""
+        """Steps from arrival to first token, counting both ends (first token in its arrival step:
+        1)."""
         return self.first_token_step - max(self.arrival_step, 1) + 1
 
     @property
@@ -60,7 +65,9 @@ class SimResult:
         return self.trace.slot_utilization()
 
     def __repr__(self):
-        return f"SimResult(num_steps={self.num_steps}, requests={len(self.requests)}, {self.trace!r})"
+        return (
+            f"SimResult(num_steps={self.num_steps}, requests={len(self.requests)}, {self.trace!r})"
+        )
 
 
 def scripted_step(sched: Scheduler, on_step=None) -> SchedulerOutput:
@@ -69,12 +76,17 @@ def scripted_step(sched: Scheduler, on_step=None) -> SchedulerOutput:
     out = sched.schedule()
     if on_step is not None:
         on_step(sched, out)
-    sched.update(out, [1] * sum(s.request.num_seqs for s in out.scheduled if s.do_sample))  # n for a fork
+    # n for a fork
+    sched.update(out, [1] * sum(s.request.num_seqs for s in out.scheduled if s.do_sample))
     return out
 
 
-def simulate(requests: list[SimRequest], config: EngineConfig | None = None, max_steps: int = 100_000,
-             on_step=None) -> SimResult:
+def simulate(
+    requests: list[SimRequest],
+    config: EngineConfig | None = None,
+    max_steps: int = 100_000,
+    on_step=None,
+) -> SimResult:
     """Run `requests` through the real scheduler. `on_step(scheduler, out)` is called after each
     schedule() for a notebook that wants to look inside."""
     config = config or EngineConfig()
@@ -85,19 +97,32 @@ def simulate(requests: list[SimRequest], config: EngineConfig | None = None, max
     pending = []
     for i, sr in enumerate(requests):
         if sr.prompt_len <= 0 or sr.output_len <= 0:
-            raise ValueError(f"request {i}: prompt_len and output_len must be positive, got "
-                             f"{sr.prompt_len} and {sr.output_len}")
+            raise ValueError(
+                f"request {i}: prompt_len and output_len must be positive, got "
+                f"{sr.prompt_len} and {sr.output_len}"
+            )
         # Distinct token ids per request unless given: no accidental prefix sharing.
         tokens = sr.prompt_token_ids or [100_000 * (i + 1) + j for j in range(sr.prompt_len)]
         if len(tokens) != sr.prompt_len:
-            raise ValueError(f"request {i}: prompt_token_ids has {len(tokens)} tokens, prompt_len is {sr.prompt_len}")
+            raise ValueError(
+                f"request {i}: prompt_token_ids has {len(tokens)} tokens, prompt_len is "
+                f"{sr.prompt_len}"
+            )
         rid = sr.request_id if sr.request_id is not None else str(i)
         params = SamplingParams(max_tokens=sr.output_len, temperature=0.0, ignore_eos=True, n=sr.n)
         pending.append((max(sr.arrival_step, 1), i, rid, tokens, params, sr.priority))
     # Arrival order (the FIFO key) is by arrival step, then by position in the list.
     pending.sort(key=lambda p: (p[0], p[1]))
-    pending = [(step, i, _with_samples(Request(rid, tokens, params.for_sample(0), prio, arrival_index=rank), params.n))
-               for rank, (step, i, rid, tokens, params, prio) in enumerate(pending)]
+    pending = [
+        (
+            step,
+            i,
+            _with_samples(
+                Request(rid, tokens, params.for_sample(0), prio, arrival_index=rank), params.n
+            ),
+        )
+        for rank, (step, i, rid, tokens, params, prio) in enumerate(pending)
+    ]
     by_index = [p[2] for p in sorted(pending, key=lambda p: p[1])]
 
     step, nxt = 0, 0
@@ -115,14 +140,34 @@ def simulate(requests: list[SimRequest], config: EngineConfig | None = None, max
         out = scripted_step(sched, on_step)
         trace.record(sched, out, sched.take_finished())
 
-    results = [SimRequestResult(r.request_id, r.num_prompt_tokens, r.params.max_tokens,
-                                max(requests[i].arrival_step, 1), r.admitted_step, r.first_token_step,
-                                r.finish_step, r.num_preemptions) for i, r in enumerate(by_index)]
+    results = [
+        SimRequestResult(
+            r.request_id,
+            r.num_prompt_tokens,
+            r.params.max_tokens,
+            max(requests[i].arrival_step, 1),
+            r.admitted_step,
+            r.first_token_step,
+            r.finish_step,
+            r.num_preemptions,
+        )
+        for i, r in enumerate(by_index)
+    ]
     return SimResult(results, step, trace, sched)
 
 
 def _with_samples(req: Request, n: int) -> Request:
-    """Give a request its n - 1 other samples, to fork after its prefill (ids "i_<id>", as the engine's)."""
-    req.forks = [Request(f"{i}_{req.request_id}", req.prompt_token_ids, req.params, req.priority,
-                         arrival_index=req.arrival_index, sample_index=i) for i in range(1, n)]
+    """Give a request its n - 1 other samples, to fork after its prefill (ids "i_<id>", as the
+    engine's)."""
+    req.forks = [
+        Request(
+            f"{i}_{req.request_id}",
+            req.prompt_token_ids,
+            req.params,
+            req.priority,
+            arrival_index=req.arrival_index,
+            sample_index=i,
+        )
+        for i in range(1, n)
+    ]
     return req

@@ -3,8 +3,8 @@
 One StepRecord per step: which request sat in which slot, how many tokens each was given and
 whether they were prompt (prefill) or generation (decode) tokens, every running request's block
 table, the free/cached block counts, and who was admitted, preempted, swapped or finished.
-The simulator and the real engine write the same records, so every figure in the notebooks
-can be drawn from either.
+The simulator and the real engine write the same records, so every figure in the notebooks can be
+drawn from either.
 """
 
 from dataclasses import dataclass, field
@@ -18,8 +18,12 @@ class RowRecord:
     num_tokens: int
     is_prefill: bool
     sampled: bool  # produced a token this step
-    num_drafts: int = 0  # speculative decoding: drafts this row verified (they are among its num_tokens)
-    num_accepted: int = 0  # and how many of them were kept (the row then yields num_accepted + 1 tokens)
+    num_drafts: int = (
+        0  # speculative decoding: drafts this row verified (they are among its num_tokens)
+    )
+    num_accepted: int = (
+        0  # and how many of them were kept (the row then yields num_accepted + 1 tokens)
+    )
 
 
 @dataclass
@@ -52,50 +56,95 @@ class StepRecord:
         return sum(1 for r in self.rows if r.is_prefill)
 
     def __repr__(self):
-        rows = " ".join(f"[{r.slot}]{r.request_id}:{'P' if r.is_prefill else 'D'}{r.num_tokens}"
-                        + (f"({r.num_accepted}/{r.num_drafts} kept)" if r.num_drafts else "") for r in self.rows)
-        events = " ".join(f"{k}={v}" for k, v in (("admit", self.admitted), ("preempt", self.preempted),
-                          ("swap_out", self.swapped_out), ("swap_in", self.swapped_in),
-                          ("finish", self.finished)) if v)
-        return (f"Step {self.step}: {rows or '(idle)'} | tokens={self.num_batched_tokens} "
-                f"free_blocks={self.num_free_blocks} waiting={self.num_waiting} {events}").rstrip()
+        rows = " ".join(
+            f"[{r.slot}]{r.request_id}:{'P' if r.is_prefill else 'D'}{r.num_tokens}"
+            + (f"({r.num_accepted}/{r.num_drafts} kept)" if r.num_drafts else "")
+            for r in self.rows
+        )
+        events = " ".join(
+            f"{k}={v}"
+            for k, v in (
+                ("admit", self.admitted),
+                ("preempt", self.preempted),
+                ("swap_out", self.swapped_out),
+                ("swap_in", self.swapped_in),
+                ("finish", self.finished),
+            )
+            if v
+        )
+        return (
+            f"Step {self.step}: {rows or '(idle)'} | tokens={self.num_batched_tokens} "
+            f"free_blocks={self.num_free_blocks} waiting={self.num_waiting} {events}"
+        ).rstrip()
 
 
 class Trace:
     """The list of StepRecords of one engine or simulation run, plus the sizes needed to draw it."""
 
-    def __init__(self, max_num_seqs: int, num_blocks: int, block_size: int, max_steps: int | None = None):
+    def __init__(
+        self, max_num_seqs: int, num_blocks: int, block_size: int, max_steps: int | None = None
+    ):
         self.max_num_seqs = max_num_seqs
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_steps = max_steps  # keep only the newest records (a long-running server)
         self.steps: list[StepRecord] = []
 
-    def record(self, scheduler, out, finished: list, graph_bucket: int | None = None,
-               duration: float | None = None, graph_width: int | None = None,
-               accepted_drafts: dict | None = None) -> StepRecord:
-        """Append the record of step `out.step`; call it after `scheduler.update`. `accepted_drafts`:
-        {request id: drafts kept} from speculative decoding."""
+    def record(
+        self,
+        scheduler,
+        out,
+        finished: list,
+        graph_bucket: int | None = None,
+        duration: float | None = None,
+        graph_width: int | None = None,
+        accepted_drafts: dict | None = None,
+    ) -> StepRecord:
+        """Append the record of step `out.step`; call it after `scheduler.update`.
+        `accepted_drafts`: {request id: drafts kept} from speculative decoding."""
         bm = scheduler.block_manager
         rows, tables, frag = [], {}, 0
         for s in out.scheduled:
             req = s.request
             kept = len((accepted_drafts or {}).get(req.request_id, ()))
-            rows.append(RowRecord(req.request_id, s.slot, s.start, s.num_tokens, s.is_prefill, s.do_sample,
-                                  len(s.spec_token_ids), kept))
-            tables[req.request_id] = tuple(s.block_table)  # rejected drafts' blocks are already given back
-            frag += len(s.block_table) * bm.block_size - (s.start + s.num_tokens - len(s.spec_token_ids) + kept)
+            rows.append(
+                RowRecord(
+                    req.request_id,
+                    s.slot,
+                    s.start,
+                    s.num_tokens,
+                    s.is_prefill,
+                    s.do_sample,
+                    len(s.spec_token_ids),
+                    kept,
+                )
+            )
+            # rejected drafts' blocks are already given back
+            tables[req.request_id] = tuple(s.block_table)
+            frag += len(s.block_table) * bm.block_size - (
+                s.start + s.num_tokens - len(s.spec_token_ids) + kept
+            )
         for req in scheduler.running:  # running but given no tokens this step
             if req.request_id not in tables:
                 tables[req.request_id] = tuple(bm.block_tables.get(req.request_id, ()))
         rec = StepRecord(
-            step=out.step, rows=rows, block_tables=tables,
-            num_free_blocks=bm.num_free_blocks, num_cached_blocks=bm.num_cached_free_blocks,
-            num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
-            num_swapped=len(scheduler.swapped), num_batched_tokens=out.num_batched_tokens,
-            fragmentation=frag, admitted=list(out.admitted), preempted=list(out.preempted),
-            swapped_out=list(out.swapped_out), swapped_in=list(out.swapped_in),
-            finished=[r.request_id for r in finished], graph_bucket=graph_bucket, duration=duration,
+            step=out.step,
+            rows=rows,
+            block_tables=tables,
+            num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=bm.num_cached_free_blocks,
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_swapped=len(scheduler.swapped),
+            num_batched_tokens=out.num_batched_tokens,
+            fragmentation=frag,
+            admitted=list(out.admitted),
+            preempted=list(out.preempted),
+            swapped_out=list(out.swapped_out),
+            swapped_in=list(out.swapped_in),
+            finished=[r.request_id for r in finished],
+            graph_bucket=graph_bucket,
+            duration=duration,
             graph_width=graph_width,
         )
         self.steps.append(rec)
@@ -127,5 +176,7 @@ class Trace:
         return list(seen)
 
     def __repr__(self):
-        return (f"Trace({len(self.steps)} steps, slots={self.max_num_seqs}, blocks={self.num_blocks}x"
-                f"{self.block_size}, slot utilization={self.slot_utilization():.0%})")
+        return (
+            f"Trace({len(self.steps)} steps, slots={self.max_num_seqs}, blocks={self.num_blocks}x"
+            f"{self.block_size}, slot utilization={self.slot_utilization():.0%})"
+        )

@@ -22,20 +22,25 @@ MAX_LEN = 2048  # the tiny models' max_position_embeddings: long enough to outli
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # no Nagle delay between headers and body
 
 
-
 class Served:
     """A running server on loopback, its engine, and a sync httpx client."""
 
     def __init__(self, stack: ExitStack, loaded, max_waiting=64, trace_steps=5000, **config):
         self.engine = Engine(EngineConfig(model=loaded.name, **{**CONFIG, **config}), loaded)
-        self.async_engine = AsyncEngine(self.engine, max_waiting=max_waiting, trace_steps=trace_steps)
+        self.async_engine = AsyncEngine(
+            self.engine, max_waiting=max_waiting, trace_steps=trace_steps
+        )
         self.url = stack.enter_context(ServerThread(build_app(self.async_engine)))
-        self.http = stack.enter_context(httpx.Client(base_url=self.url, timeout=30,
-                                                     transport=httpx.HTTPTransport(socket_options=NODELAY)))
+        self.http = stack.enter_context(
+            httpx.Client(
+                base_url=self.url, timeout=30, transport=httpx.HTTPTransport(socket_options=NODELAY)
+            )
+        )
         self.name = loaded.name
 
     def metrics(self) -> dict[str, float]:
-        """GET /metrics as {'vllm:num_requests_running': 1.0, ...} (labels other than model_name kept)."""
+        """GET /metrics as {'vllm:num_requests_running': 1.0, ...} (labels other than model_name
+        kept)."""
         return parse_metrics(self.http.get("/metrics").text)
 
     def wait_idle(self, timeout=60.0) -> dict[str, float]:
@@ -43,7 +48,12 @@ class Served:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            if m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == m["minicb:kv_blocks_used"] == 0:
+            if (
+                m["vllm:num_requests_running"]
+                == m["vllm:num_requests_waiting"]
+                == m["minicb:kv_blocks_used"]
+                == 0
+            ):
                 return m
             assert time.monotonic() < deadline, f"server not idle after {timeout} s: {m}"
             time.sleep(0.02)
@@ -76,4 +86,3 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-

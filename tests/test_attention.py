@@ -1,21 +1,22 @@
-"""Paged attention and the KV cache against dense attention written out the slow, obvious way (float64)."""
+"""Paged attention and the KV cache against dense attention written out the slow, obvious way
+(float64)."""
 
 import random
 
 import pytest
 import torch
-
-import minicb.attention
 from transformers import LlamaConfig
 
-from minicb.attention import (
+import minicb.model_executor.attention
+from minicb.model_executor.attention import (
     AttentionMetadata,
     decode_attention,
     paged_attention,
     prefill_attention,
     store_kv,
 )
-from minicb.kv_cache import KVCache, kv_bytes_per_token
+from minicb.model_executor.hf_config import kv_bytes_per_token
+from minicb.worker.kv_cache import KVCache
 
 DT = torch.float64
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8  # grouped-query: 2 query heads per kv head
@@ -23,8 +24,14 @@ SCALE = HEAD_DIM**-0.5
 
 
 def small_config(layers=2):
-    return LlamaConfig(hidden_size=32, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                       num_hidden_layers=layers, intermediate_size=64, vocab_size=64)
+    return LlamaConfig(
+        hidden_size=32,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        num_hidden_layers=layers,
+        intermediate_size=64,
+        vocab_size=64,
+    )
 
 
 def random_cache(num_blocks, block_size, seed=0):
@@ -34,7 +41,8 @@ def random_cache(num_blocks, block_size, seed=0):
 
 
 def dense_attention(q, keys, values, query_positions, sliding_window=None):
-    """q: (n, HEADS, D) at absolute query_positions; keys/values: (ctx, KV_HEADS, D) at positions 0..ctx-1."""
+    """q: (n, HEADS, D) at absolute query_positions; keys/values: (ctx, KV_HEADS, D) at positions
+    0..ctx-1."""
     group = HEADS // KV_HEADS
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, keys) * SCALE
@@ -66,7 +74,9 @@ def test_decode_attention_equals_dense_masked_attention(block_size, sliding_wind
         tables.append([ids.pop() for _ in range(n)])
     meta = AttentionMetadata.build(tables, context_lens, [1] * 4, 4, block_size, num_blocks)
     q = torch.randn(4, HEADS, HEAD_DIM, dtype=DT)
-    out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, SCALE, sliding_window)
+    out = decode_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, SCALE, sliding_window
+    )
     for i, (table, ctx) in enumerate(zip(tables, context_lens)):
         keys = cached_tokens(k_cache, table, ctx, block_size)
         values = cached_tokens(v_cache, table, ctx, block_size)
@@ -103,8 +113,11 @@ def test_padded_rows_write_only_the_sink_and_do_not_change_real_rows():
         cache_locs=torch.cat([real.cache_locs, torch.full((3,), cache.sink_loc)]),
         block_tables=torch.cat([real.block_tables, torch.full((3, 2), sink)]),
         context_lens=torch.cat([real.context_lens, torch.ones(3, dtype=torch.long)]),
-        query_start_loc=torch.arange(6), num_decodes=5,
-        query_start_loc_host=list(range(6)), context_lens_host=lens + [1, 1, 1])
+        query_start_loc=torch.arange(6),
+        num_decodes=5,
+        query_start_loc_host=list(range(6)),
+        context_lens_host=lens + [1, 1, 1],
+    )
 
     q, k, v = (torch.randn(5, h, HEAD_DIM, dtype=DT) for h in (HEADS, KV_HEADS, KV_HEADS))
     k_before, v_before = k_cache.clone(), v_cache.clone()
@@ -124,10 +137,13 @@ def test_padded_rows_write_only_the_sink_and_do_not_change_real_rows():
 
 
 @pytest.mark.parametrize("sliding_window", [None, 4])
-@pytest.mark.parametrize("causal_devices", [("cuda",), ("cuda", "cpu")])  # the second: whole prompts with is_causal
-def test_prefill_attention_over_a_cached_prefix_equals_dense_causal_attention(sliding_window, causal_devices,
-                                                                              monkeypatch):
-    monkeypatch.setattr(minicb.attention, "CAUSAL_FLASH_DEVICES", causal_devices)
+@pytest.mark.parametrize(
+    "causal_devices", [("cuda",), ("cuda", "cpu")]
+)  # the second: whole prompts with is_causal
+def test_prefill_attention_over_a_cached_prefix_equals_dense_causal_attention(
+    sliding_window, causal_devices, monkeypatch
+):
+    monkeypatch.setattr(minicb.model_executor.attention, "CAUSAL_FLASH_DEVICES", causal_devices)
     block_size, num_blocks = 3, 20
     k_cache, v_cache = random_cache(num_blocks, block_size, seed=2)
     # seq 0: decode; seq 1: chunk of 4 after a cached prefix of 7; seq 2: fresh prompt of 5
@@ -143,17 +159,25 @@ def test_prefill_attention_over_a_cached_prefix_equals_dense_causal_attention(sl
     for table, ctx, qlen in zip(tables, context_lens, query_lens):
         keys = cached_tokens(k_cache, table, ctx, block_size)
         values = cached_tokens(v_cache, table, ctx, block_size)
-        torch.testing.assert_close(keys[ctx - qlen :], k[start : start + qlen], rtol=0, atol=0)  # stored
-        expected = dense_attention(q[start : start + qlen], keys, values, list(range(ctx - qlen, ctx)), sliding_window)
+        # stored
+        torch.testing.assert_close(keys[ctx - qlen :], k[start : start + qlen], rtol=0, atol=0)
+        expected = dense_attention(
+            q[start : start + qlen], keys, values, list(range(ctx - qlen, ctx)), sliding_window
+        )
         torch.testing.assert_close(out[start : start + qlen], expected, rtol=0, atol=1e-12)
         start += qlen
     # prefill_attention alone returns only the prefill rows
-    assert prefill_attention(q, k, v, k_cache, v_cache, meta, SCALE).shape == (n - 1, HEADS, HEAD_DIM)
+    assert prefill_attention(q, k, v, k_cache, v_cache, meta, SCALE).shape == (
+        n - 1,
+        HEADS,
+        HEAD_DIM,
+    )
 
 
 def test_metadata_build_cache_locs_and_padding():
     meta = AttentionMetadata.build([[7], [2, 5]], [3, 6], [1, 3], 1, block_size=4, pad_block_id=9)
-    # seq 0 decodes position 2 in block 7; seq 1 prefills positions 3, 4, 5 -> block 2 offset 3, block 5 offsets 0, 1
+    # seq 0 decodes position 2 in block 7; seq 1 prefills positions 3, 4, 5 -> block 2 offset 3,
+    # block 5 offsets 0, 1
     assert meta.cache_locs.tolist() == [7 * 4 + 2, 2 * 4 + 3, 5 * 4 + 0, 5 * 4 + 1]
     assert meta.block_tables.tolist() == [[7, 9], [2, 5]]
     assert meta.query_start_loc.tolist() == meta.query_start_loc_host == [0, 1, 4]
@@ -174,14 +198,19 @@ def test_store_kv_writes_exactly_the_mapped_slots():
 
 # --- KVCache --------------------------------------------------------------------------------------
 
+
 def test_kv_bytes_per_token_smollm2():
-    smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
+    smollm2 = LlamaConfig(
+        hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30
+    )
     assert kv_bytes_per_token(smollm2, torch.float32) == 46080  # 2 * 30 * 3 * 64 * 4
     assert kv_bytes_per_token(smollm2, torch.bfloat16) == 23040
 
 
 def test_kv_cache_shapes_sink_and_repr():
-    cache = KVCache(small_config(), num_blocks=5, block_size=4, dtype=DT, device="cpu", num_cpu_blocks=3)
+    cache = KVCache(
+        small_config(), num_blocks=5, block_size=4, dtype=DT, device="cpu", num_cpu_blocks=3
+    )
     assert len(cache.k_caches) == len(cache.v_caches) == 2
     assert cache.k_caches[1].shape == (6, 4, KV_HEADS, HEAD_DIM)  # 5 blocks + the sink
     assert (cache.sink_block_id, cache.sink_loc) == (5, 20)
@@ -193,7 +222,9 @@ def test_kv_cache_shapes_sink_and_repr():
 
 
 def test_swap_out_then_in_to_other_blocks_round_trips_exactly():
-    cache = KVCache(small_config(), num_blocks=6, block_size=2, dtype=DT, device="cpu", num_cpu_blocks=4)
+    cache = KVCache(
+        small_config(), num_blocks=6, block_size=2, dtype=DT, device="cpu", num_cpu_blocks=4
+    )
     for t in (*cache.k_caches, *cache.v_caches):
         t.copy_(torch.randn_like(t))
     before_k, before_v = cache.k.clone(), cache.v.clone()

@@ -1,4 +1,5 @@
-"""W3 (scheduler overhead) smoke test: tiny sizes, checks the shape of the results, not the speed."""
+"""W3 (scheduler overhead) smoke test: tiny sizes, checks the shape of the results, not the
+speed."""
 
 import argparse
 import json
@@ -6,10 +7,10 @@ import json
 import pytest
 import torch
 
-from minicb.attention import cache_locations
 from minicb.bench import cli as bench
 from minicb.bench import w3
-from minicb.model_runner import host_inputs
+from minicb.model_executor.attention import cache_locations
+from minicb.worker.model_runner import host_inputs
 
 
 def test_w3_setup_has_everyone_decoding():
@@ -62,7 +63,9 @@ def test_cli_options_and_json(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     path = tmp_path / "w3.json"
-    args = parser.parse_args(["--workload", "w3", "--sizes", "4", "--steps", "3", "--json", str(path)])
+    args = parser.parse_args(
+        ["--workload", "w3", "--sizes", "4", "--steps", "3", "--json", str(path)]
+    )
     bench.main(args)
     rows = json.loads(path.read_text())["w3"]
     assert [r["num_running"] for r in rows] == [4, 4, 4]
@@ -71,7 +74,7 @@ def test_cli_options_and_json(tmp_path, capsys):
 
 def test_gemm_peaks_measure_every_cpu_kernel():
     from minicb.bench.machine import cpu_model
-    from minicb.cpu_kernels import gemm_peaks
+    from minicb.model_executor.cpu_kernels import gemm_peaks
 
     peaks = gemm_peaks(n=128, repeats=2)
     assert "torch.matmul" in peaks and all(v > 0 for v in peaks.values())
@@ -80,86 +83,204 @@ def test_gemm_peaks_measure_every_cpu_kernel():
     assert cpu_model()
 
 
-FLOOR = dict(floor_s=9.1, binding="compute", flops={"total": 1.74e12}, gemm_peak_flops=190e9, compute_s=9.1,
-             longest_output=256, weight_bytes=538e6, bandwidth=22.4e9, sequential_s=6.1)
+FLOOR = dict(
+    floor_s=9.1,
+    binding="compute",
+    flops={"total": 1.74e12},
+    gemm_peak_flops=190e9,
+    compute_s=9.1,
+    longest_output=256,
+    weight_bytes=538e6,
+    bandwidth=22.4e9,
+    sequential_s=6.1,
+)
 
 
 def test_w1_table_names_both_peaks(capsys):
     from minicb.bench.w1_report import print_w1
 
-    row = dict(name="minicb continuous (64 slots)", throughput=300.0, wall_s=13.0, ttft_p50=1.0, ttft_p99=1.5,
-               tpot_p50=0.1, tpot_p99=0.2, peak_mem_mib=5, slot_utilization=0.24, achieved_gflops=80.0,
-               roofline_fraction=0.2, floor_fraction=9.1 / 13.0)
-    print_w1(dict(machine="2 cores of a CPU", num_requests=64, prompt_tokens=3103, output_tokens=3920, floor=FLOOR,
-                  gemm_peak_gflops=400.0, gemm_peaks={"torch.matmul": 190.0, "oneDNN packed": 400.0},
-                  flops_per_token=269e6, results=[row],
-                  decode_step=dict(batch=64, context=100, step_ms=140.0, gflops=120.0, gemm_peak_gflops=400.0)))
+    row = dict(
+        name="minicb continuous (64 slots)",
+        throughput=300.0,
+        wall_s=13.0,
+        ttft_p50=1.0,
+        ttft_p99=1.5,
+        tpot_p50=0.1,
+        tpot_p99=0.2,
+        peak_mem_mib=5,
+        slot_utilization=0.24,
+        achieved_gflops=80.0,
+        roofline_fraction=0.2,
+        floor_fraction=9.1 / 13.0,
+    )
+    print_w1(
+        dict(
+            machine="2 cores of a CPU",
+            num_requests=64,
+            prompt_tokens=3103,
+            output_tokens=3920,
+            floor=FLOOR,
+            gemm_peak_gflops=400.0,
+            gemm_peaks={"torch.matmul": 190.0, "oneDNN packed": 400.0},
+            flops_per_token=269e6,
+            results=[row],
+            decode_step=dict(
+                batch=64, context=100, step_ms=140.0, gflops=120.0, gemm_peak_gflops=400.0
+            ),
+        )
+    )
     out = capsys.readouterr().out
-    assert "GEMM peak 400 GFLOP/s (float32, the best of: torch.matmul 190, oneDNN packed 400)" in out
+    assert (
+        "GEMM peak 400 GFLOP/s (float32, the best of: torch.matmul 190, oneDNN packed 400)" in out
+    )
     assert "= 30% of the GEMM peak (63% of torch.matmul)" in out
     assert "24%" in out  # slot utilization
     assert out.splitlines()[3].endswith("70%")  # 'of floor': floor / wall = 9.1 / 13.0
-    assert "the machine's floor for W1: 9.1 s (compute binds): compute 1.74 TFLOP / 190 GFLOP/s = 9.1 s" in out
+    assert (
+        "the machine's floor for W1: 9.1 s (compute binds): compute 1.74 TFLOP / 190 GFLOP/s "
+        "= 9.1 s" in out
+    )
 
 
 def test_w1_table_separates_the_schedulers_gain_from_the_batch_size(capsys):
-    """Continuous vs static at the same 16 slots is the scheduler's gain; 64 vs 16 slots is the batch."""
+    """Continuous vs static at the same 16 slots is the scheduler's gain; 64 vs 16 slots is the
+    batch."""
     from minicb.bench.w1_report import print_w1
 
     def row(key, name, tok_s):
-        return dict(key=key, name=name, throughput=tok_s, wall_s=10.0, ttft_p50=1.0, ttft_p99=1.5, tpot_p50=0.1,
-                    tpot_p99=0.2, peak_mem_mib=5, achieved_gflops=1.0, roofline_fraction=0.1, floor_fraction=0.5)
+        return dict(
+            key=key,
+            name=name,
+            throughput=tok_s,
+            wall_s=10.0,
+            ttft_p50=1.0,
+            ttft_p99=1.5,
+            tpot_p50=0.1,
+            tpot_p99=0.2,
+            peak_mem_mib=5,
+            achieved_gflops=1.0,
+            roofline_fraction=0.1,
+            floor_fraction=0.5,
+        )
 
-    rows = [row("minicb_static", "minicb static (16 slots)", 100.0),
-            row("minicb_continuous_16", "minicb continuous (16 slots)", 250.0),
-            row("minicb_continuous", "minicb continuous (64 slots)", 300.0)]
-    print_w1(dict(machine="m", num_requests=64, prompt_tokens=1, output_tokens=1, gemm_peak_gflops=1.0, floor=FLOOR,
-                  gemm_peaks={"torch.matmul": 1.0}, flops_per_token=1.0, results=rows,
-                  decode_step=dict(batch=64, context=100, step_ms=1.0, gflops=1.0, gemm_peak_gflops=1.0)))
+    rows = [
+        row("minicb_static", "minicb static (16 slots)", 100.0),
+        row("minicb_continuous_16", "minicb continuous (16 slots)", 250.0),
+        row("minicb_continuous", "minicb continuous (64 slots)", 300.0),
+    ]
+    print_w1(
+        dict(
+            machine="m",
+            num_requests=64,
+            prompt_tokens=1,
+            output_tokens=1,
+            gemm_peak_gflops=1.0,
+            floor=FLOOR,
+            gemm_peaks={"torch.matmul": 1.0},
+            flops_per_token=1.0,
+            results=rows,
+            decode_step=dict(batch=64, context=100, step_ms=1.0, gflops=1.0, gemm_peak_gflops=1.0),
+        )
+    )
     out = capsys.readouterr().out
     assert "continuous vs static batching, both 16 slots: 2.5x" in out
     assert "64 slots vs 16, both continuous: 1.2x" in out
 
 
 def test_spec_bench_compares_the_same_outputs_and_prints_the_ratios(tmp_path, capsys):
-    """The speculative bench on a tiny model: both runs give the same tokens, the ratios are computed from
-    them, and the table prints a row per run; a proposer that changed an output would make it raise."""
+    """The speculative bench on a tiny model: both runs give the same tokens, the ratios are
+    computed from them, and the table prints a row per run; a proposer that changed an output would
+    make it raise."""
     from minicb.bench import spec
-    from minicb.loader import load_model, save_tiny_model
+    from minicb.model_executor.loader import load_model, save_tiny_model
 
     loaded = load_model(save_tiny_model(tmp_path, arch="llama", seed=1), dtype=torch.float32)
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9]]
-    config = dict(spec.SPEC, prompt_lookup_min=1)  # one-token lookups: a random model's loops are drafted too
-    res = spec.compare(loaded, prompts, [24, 24], ignore_eos=True, repeats=1, cooldown_s=0, max_num_seqs=2,
-                       speculative_config=config)
+    # one-token lookups: a random model's loops are drafted too
+    config = dict(spec.SPEC, prompt_lookup_min=1)
+    res = spec.compare(
+        loaded,
+        prompts,
+        [24, 24],
+        ignore_eos=True,
+        repeats=1,
+        cooldown_s=0,
+        max_num_seqs=2,
+        speculative_config=config,
+    )
     off, on = res["off"], res["on"]
-    assert off["output_tokens"] == on["output_tokens"] == 48 and on["drafts"] > 0 and off["drafts"] == 0
+    assert (
+        off["output_tokens"] == on["output_tokens"] == 48
+        and on["drafts"] > 0
+        and off["drafts"] == 0
+    )
     assert res["step_ratio"] == off["decode_steps"] / on["decode_steps"]
     assert res["speedup"] == on["throughput"] / off["throughput"]
-    spec.print_spec(dict(speculative_config=spec.SPEC, machine="test", results={"c1@2": res | dict(num_requests=2)}))
+    spec.print_spec(
+        dict(
+            speculative_config=spec.SPEC,
+            machine="test",
+            results={"c1@2": res | dict(num_requests=2)},
+        )
+    )
     out = capsys.readouterr().out
     assert "c1@2" in out and "fewer decode steps" in out and f"{on['acceptance_rate']:.0%}" in out
 
 
 def test_w1_table_prints_the_kernels_floor_and_the_ratio_it_allows(capsys):
-    """The kernels' floor caps both targets: the fraction of the floor and the ratio to transformers."""
+    """The kernels' floor caps both targets: the fraction of the floor and the ratio to
+    transformers."""
     from minicb.bench.w1_report import print_w1
 
     def row(key, name, wall):
-        return dict(key=key, name=name, throughput=3920 / wall, wall_s=wall, ttft_p50=1.0, ttft_p99=1.5,
-                    tpot_p50=0.1, tpot_p99=0.2, peak_mem_mib=5, achieved_gflops=1.0, roofline_fraction=0.1,
-                    floor_fraction=9.1 / wall)
+        return dict(
+            key=key,
+            name=name,
+            throughput=3920 / wall,
+            wall_s=wall,
+            ttft_p50=1.0,
+            ttft_p99=1.5,
+            tpot_p50=0.1,
+            tpot_p99=0.2,
+            peak_mem_mib=5,
+            achieved_gflops=1.0,
+            roofline_fraction=0.1,
+            floor_fraction=9.1 / wall,
+        )
 
-    kernels = dict(kernel_s=26.0, layers_s=22.0, lm_head_s=4.0, passes=262,
-                   other=dict(chain=256, tail_s=23.0, even_s=24.0))
-    print_w1(dict(machine="m", num_requests=64, prompt_tokens=3103, output_tokens=3920, gemm_peak_gflops=1.0,
-                  floor=FLOOR | {"kernels": kernels}, gemm_peaks={"torch.matmul": 1.0}, flops_per_token=1.0,
-                  results=[row("hf_continuous", "transformers continuous batching", 104.0),
-                           row("minicb_continuous", "minicb continuous (64 slots)", 40.0)],
-                  decode_step=dict(batch=64, context=100, step_ms=1.0, gflops=1.0, gemm_peak_gflops=1.0)))
+    kernels = dict(
+        kernel_s=26.0,
+        layers_s=22.0,
+        lm_head_s=4.0,
+        passes=262,
+        other=dict(chain=256, tail_s=23.0, even_s=24.0),
+    )
+    print_w1(
+        dict(
+            machine="m",
+            num_requests=64,
+            prompt_tokens=3103,
+            output_tokens=3920,
+            gemm_peak_gflops=1.0,
+            floor=FLOOR | {"kernels": kernels},
+            gemm_peaks={"torch.matmul": 1.0},
+            flops_per_token=1.0,
+            results=[
+                row("hf_continuous", "transformers continuous batching", 104.0),
+                row("minicb_continuous", "minicb continuous (64 slots)", 40.0),
+            ],
+            decode_step=dict(batch=64, context=100, step_ms=1.0, gflops=1.0, gemm_peak_gflops=1.0),
+        )
+    )
     out = capsys.readouterr().out
     assert "22.0 s of layers + 4.0 s of LM head = 26.0 s." in out
     assert "Batched so, these kernels allow at most 35% of the floor" in out
     assert "the same rows over the 256 passes the longest request needs" in out
-    assert "rest in full passes 23.0 s; spread evenly 24.0 s: at most 40% of the floor either way" in out
-    assert "minicb vs transformers, continuous batching: 2.6x (batched as fully, these kernels allow at most 4.0x)" in out
+    assert (
+        "rest in full passes 23.0 s; spread evenly 24.0 s: at most 40% of the floor either way"
+        in out
+    )
+    assert (
+        "minicb vs transformers, continuous batching: 2.6x (batched as fully, these kernels allow "
+        "at most 4.0x)" in out
+    )

@@ -7,8 +7,8 @@ request's tail block first), and a full computed block is named by a hash chaine
 
 import pytest
 
-from minicb.block_manager import BlockManager
-from minicb.request import Request
+from minicb.core.block_manager import BlockManager
+from minicb.core.request import Request
 from minicb.sampling_params import SamplingParams
 
 
@@ -23,6 +23,7 @@ def computed(bm, req, n):
 
 
 # ---------------------------------------------------------------------------------- allocate / free
+
 
 def test_allocate_grows_one_block_only_when_the_last_is_full():
     bm = BlockManager(num_blocks=8, block_size=4)
@@ -84,13 +85,16 @@ def test_free_queue_is_lru_with_tail_blocks_first():
 
 # ---------------------------------------------------------------------------------- prefix cache
 
+
 def test_prefix_blocks_are_shared_with_ref_counts_and_kept_after_free():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = make_req("a", range(10))  # blocks: [0 1 2 3] [4 5 6 7] [8 9 . .]
     bm.allocate(a, 10)
     computed(bm, a, 10)
     assert len(bm.cached) == 2  # two full blocks are named; the partial third is not
-    assert bm.block_hash[0] is not None and bm.block_hash[1] is not None and bm.block_hash[2] is None
+    assert (
+        bm.block_hash[0] is not None and bm.block_hash[1] is not None and bm.block_hash[2] is None
+    )
 
     b = make_req("b", list(range(8)) + [50, 51, 52])  # same first 8 tokens, then its own
     hits = bm.find_cached_prefix(b)
@@ -178,7 +182,10 @@ def test_prefix_caching_disabled():
 
 # ---------------------------------------------------------------------------------- fragmentation
 
-@pytest.mark.parametrize("tokens,blocks,waste", [(500, 32, 12), (50, 4, 14), (16, 1, 0), (1, 1, 15)])
+
+@pytest.mark.parametrize(
+    "tokens,blocks,waste", [(500, 32, 12), (50, 4, 14), (16, 1, 0), (1, 1, 15)]
+)
 def test_internal_fragmentation_is_less_than_one_block(tokens, blocks, waste):
     """The reading's example: reserving 8K token slots per request wastes 7,500 slots for a
     500-token request and 7,950 for a 50-token one. Paged with 16-token blocks, a request wastes
@@ -191,6 +198,7 @@ def test_internal_fragmentation_is_less_than_one_block(tokens, blocks, waste):
 
 
 # ---------------------------------------------------------------------------------- swap
+
 
 def test_swap_out_and_in_bookkeeping():
     bm = BlockManager(num_blocks=6, block_size=4, num_cpu_blocks=3)
@@ -235,7 +243,9 @@ def test_no_swap_space():
     assert not bm.can_swap_out("a")
 
 
-# ---------------------------------------------------------------------------------- check_invariants
+# ----------------------------------------------------------------------------------
+# check_invariants
+
 
 def busy_manager():
     bm = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=4)
@@ -281,9 +291,18 @@ def _cpu_block_owned_twice(bm):
     bm.cpu_block_tables["d"] = [bm.cpu_block_tables["c"][0]]
 
 
-@pytest.mark.parametrize("corrupt", [_bad_ref_count, _block_free_and_owned, _owned_block_missing_from_queue,
-                                     _block_twice_in_a_table, _cached_map_disagrees, _cpu_block_leaked,
-                                     _cpu_block_owned_twice])
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        _bad_ref_count,
+        _block_free_and_owned,
+        _owned_block_missing_from_queue,
+        _block_twice_in_a_table,
+        _cached_map_disagrees,
+        _cpu_block_leaked,
+        _cpu_block_owned_twice,
+    ],
+)
 def test_check_invariants_catches_corruption(corrupt):
     bm = busy_manager()
     corrupt(bm)
@@ -299,8 +318,9 @@ def test_repr_shows_the_state():
 
 def test_a_hash_collision_never_serves_another_prompts_blocks(monkeypatch):
     # Force every block of every prompt to the same hash: a hit must still be confirmed against the
-    # block's own tokens, so b (different tokens) gets nothing from a, and a copy of a gets a's block.
-    import minicb.block_manager as block_manager
+    # block's own tokens, so b (different tokens) gets nothing from a, and a copy of a gets a's
+    # block.
+    import minicb.core.block_manager as block_manager
 
     monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: 42)
     bm = BlockManager(num_blocks=8, block_size=4)
@@ -308,6 +328,7 @@ def test_a_hash_collision_never_serves_another_prompts_blocks(monkeypatch):
     bm.allocate(a, 9)
     computed(bm, a, 9)
     assert bm.cached == {42: 0}  # a's first block holds the (colliding) hash
-    assert bm.find_cached_prefix(make_req("b", [7, 7, 7, 7, 7])) == []  # same hash, other tokens: a miss
+    # same hash, other tokens: a miss
+    assert bm.find_cached_prefix(make_req("b", [7, 7, 7, 7, 7])) == []
     assert bm.find_cached_prefix(make_req("a2", list(range(4)) + [1])) == [0]  # same tokens: a hit
     bm.check_invariants()

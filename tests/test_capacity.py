@@ -1,6 +1,7 @@
-"""Capacity planning (minicb.capacity): Poisson arrivals, Little's law on simulated runs, the sustainable rate
-predicted before running against the knee of a rate sweep, and goodput that counts only requests meeting
-both latency targets. Pure Python and fast: every run is the real scheduler with the scripted model."""
+"""Capacity planning (minicb.reference.capacity): Poisson arrivals, Little's law on simulated runs,
+the sustainable rate predicted before running against the knee of a rate sweep, and goodput that
+counts only requests meeting both latency targets. Pure Python and fast: every run is the real
+scheduler with the scripted model."""
 
 import math
 import statistics
@@ -8,8 +9,19 @@ import statistics
 import pytest
 
 from minicb import EngineConfig
-from minicb.capacity import (SLO, StepCost, Workload, knee, measure, poisson_arrivals, predict_blocks,
-                             predict_capacity, predict_in_flight, run_timed, sweep)
+from minicb.reference.capacity import (
+    SLO,
+    StepCost,
+    Workload,
+    knee,
+    measure,
+    poisson_arrivals,
+    predict_blocks,
+    predict_capacity,
+    predict_in_flight,
+    run_timed,
+    sweep,
+)
 
 WORKLOAD = Workload(prompt_len=(32, 96), output_len=(8, 24))
 COST = StepCost(a=0.015, b=5e-5)
@@ -22,8 +34,11 @@ def test_poisson_arrivals_have_the_asked_mean_rate_and_exponential_gaps():
     times = poisson_arrivals(5.0, 20_000, seed=3)
     gaps = [b - a for a, b in zip([0.0] + times, times)]
     assert len(times) / times[-1] == pytest.approx(5.0, rel=0.02)
-    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, rel=0.03)  # exponential: CV 1
-    assert times == poisson_arrivals(5.0, 20_000, seed=3) and times != poisson_arrivals(5.0, 20_000, seed=4)
+    # exponential: CV 1
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, rel=0.03)
+    assert times == poisson_arrivals(5.0, 20_000, seed=3) and times != poisson_arrivals(
+        5.0, 20_000, seed=4
+    )
     with pytest.raises(ValueError, match="rate must be positive"):
         poisson_arrivals(0, 10)
 
@@ -56,24 +71,28 @@ def test_littles_law_holds_on_a_simulated_run():
 def test_predicted_rate_is_within_20_percent_of_the_knee(config, binding):
     cap = predict_capacity(WORKLOAD, config, COST, TARGETS)  # computed before anything runs
     assert cap.binding == binding
-    rates = [4.0 * i for i in range(3, 15)]  # a fixed grid, 12-56 requests/s, chosen without the prediction
+    # a fixed grid, 12-56 requests/s, chosen without the prediction
+    rates = [4.0 * i for i in range(3, 15)]
     points = sweep(rates, WORKLOAD, config, COST, TARGETS, num_requests=500)
     found = knee(points)
     assert abs(found.rate - cap.rate) <= 0.2 * cap.rate, (cap, found)
-    # Past the knee throughput stays at the capacity while goodput collapses: a queue that only grows.
+    # Past the knee throughput stays at the capacity while goodput collapses: a queue that only
+    # grows.
     assert max(p.throughput for p in points) == pytest.approx(cap.rate, rel=0.1)
     assert points[-1].goodput < 0.1 * points[-1].throughput
 
 
 def test_predicted_in_flight_below_the_knee_is_within_10_percent():
     rate = 0.6 * predict_capacity(WORKLOAD, BLOCKS_BOUND, COST, TARGETS).rate
-    run = run_timed(WORKLOAD.sample(rate, 1500, seed=2), BLOCKS_BOUND, COST)  # window: no warm-up, no drain
+    # window: no warm-up, no drain
+    run = run_timed(WORKLOAD.sample(rate, 1500, seed=2), BLOCKS_BOUND, COST)
     assert run.in_flight() == pytest.approx(predict_in_flight(rate, WORKLOAD, COST), rel=0.10)
     assert run.blocks_in_use() == pytest.approx(predict_blocks(rate, WORKLOAD, COST, 16), rel=0.10)
 
 
 def test_goodput_counts_only_requests_that_meet_both_targets():
-    rate = 0.9 * predict_capacity(WORKLOAD, SLOTS_BOUND, COST).rate  # near the knee: some requests queue
+    # near the knee: some requests queue
+    rate = 0.9 * predict_capacity(WORKLOAD, SLOTS_BOUND, COST).rate
     run = run_timed(WORKLOAD.sample(rate, 800, seed=5), SLOTS_BOUND, COST)
     t0, t1 = run.window
     done = [r for r in run.requests if t0 <= r.finish <= t1]

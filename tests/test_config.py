@@ -9,16 +9,22 @@ import dataclasses
 import pytest
 
 from minicb.config import EngineConfig
-from minicb.request import Request
+from minicb.core.request import Request
+from minicb.core.scheduler import Scheduler
 from minicb.sampling_params import SamplingParams
-from minicb.scheduler import Scheduler
 from minicb.sim import SimRequest, simulate
 
 # ---------------------------------------------------------------------------------- EngineConfig
 
+
 def test_defaults_are_valid_and_frozen():
     c = EngineConfig()
-    assert (c.block_size, c.max_num_seqs, c.batching, c.scheduling_policy) == (16, 64, "continuous", "fcfs")
+    assert (c.block_size, c.max_num_seqs, c.batching, c.scheduling_policy) == (
+        16,
+        64,
+        "continuous",
+        "fcfs",
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.block_size = 8
 
@@ -31,8 +37,8 @@ def test_required_positive_ints(field, value):
 
 
 def test_device_defaults():
-    """None takes the device's default: a CPU's matmuls fill up at hundreds of tokens, a GPU's at thousands,
-    and on CUDA decode reads each 256-token block in place (paged_flash.py)."""
+    """None takes the device's default: a CPU's matmuls fill up at hundreds of tokens, a GPU's at
+    thousands, and on CUDA decode reads each 256-token block in place (paged_flash.py)."""
     cpu, gpu = EngineConfig(), EngineConfig(device="cuda")
     assert (cpu.block_size, cpu.max_num_seqs, cpu.max_num_batched_tokens) == (16, 64, 256)
     assert (gpu.block_size, gpu.max_num_seqs, gpu.max_num_batched_tokens) == (256, 256, 8192)
@@ -65,12 +71,15 @@ def test_num_cpu_blocks_refuses_bool():
         EngineConfig(num_cpu_blocks=True)
 
 
-@pytest.mark.parametrize("field,good,bad", [
-    ("batching", ["continuous", "static"], ["dynamic", "Static", ""]),
-    ("scheduling_policy", ["fcfs", "sjf", "priority"], ["fifo", "FCFS", None]),
-    ("preemption_mode", ["recompute", "swap"], ["drop", None]),
-    ("dtype", ["float32", "float64", "float16", "bfloat16"], ["fp32", "int8", None]),
-])
+@pytest.mark.parametrize(
+    "field,good,bad",
+    [
+        ("batching", ["continuous", "static"], ["dynamic", "Static", ""]),
+        ("scheduling_policy", ["fcfs", "sjf", "priority"], ["fifo", "FCFS", None]),
+        ("preemption_mode", ["recompute", "swap"], ["drop", None]),
+        ("dtype", ["float32", "float64", "float16", "bfloat16"], ["fp32", "int8", None]),
+    ],
+)
 def test_choices(field, good, bad):
     for value in good:
         assert getattr(EngineConfig(**{field: value}), field) == value
@@ -125,31 +134,35 @@ def test_replace_validates_and_max_blocks_per_seq():
 
 # ---------------------------------------------------------------------------------- SamplingParams
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=-3), "max_tokens"),
-    (dict(max_tokens=2.5), "max_tokens"),
-    (dict(max_tokens=True), "max_tokens"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature="hot"), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.01), "top_p"),
-    (dict(top_p=-0.5), "top_p"),
-    (dict(top_p=float("nan")), "top_p"),
-    (dict(top_k=-2), "top_k"),  # -1 and 0 both turn it off, as in vLLM
-    (dict(top_k=2.0), "top_k"),
-    (dict(top_k=2**31), "top_k"),
-    (dict(seed=1.5), "seed"),
-    (dict(seed=2**64), "seed"),  # beyond what torch.Generator accepts
-    (dict(seed=-(2**63) - 1), "seed"),
-    (dict(temperature=float("inf")), "temperature"),
-    (dict(stop_token_ids=[2**63]), "stop_token_ids"),
-    (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
-    (dict(stop_token_ids=[1.0]), "stop_token_ids"),
-    (dict(stop_token_ids=["a"]), "stop_token_ids"),
-    (dict(stop_token_ids=[True]), "stop_token_ids"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(max_tokens=2.5), "max_tokens"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature="hot"), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_p=-0.5), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(top_k=-2), "top_k"),  # -1 and 0 both turn it off, as in vLLM
+        (dict(top_k=2.0), "top_k"),
+        (dict(top_k=2**31), "top_k"),
+        (dict(seed=1.5), "seed"),
+        (dict(seed=2**64), "seed"),  # beyond what torch.Generator accepts
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(stop_token_ids=[2**63]), "stop_token_ids"),
+        (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
+        (dict(stop_token_ids=[1.0]), "stop_token_ids"),
+        (dict(stop_token_ids=["a"]), "stop_token_ids"),
+        (dict(stop_token_ids=[True]), "stop_token_ids"),
+    ],
+)
 def test_sampling_params_invalid(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -167,14 +180,24 @@ def test_sampling_params_single_int_stop_id():
 
 # ---------------------------------------------------------------------------------- add_request
 
+
 def req(rid, n_prompt, max_tokens=4, first=0):
-    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return Request(
+        rid,
+        list(range(first, first + n_prompt)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def snapshot(s: Scheduler):
     bm = s.block_manager
-    return ([r.request_id for r in s.waiting], [r.request_id for r in s.running], sorted(s.requests),
-            bm.num_free_blocks, dict(bm.block_tables))
+    return (
+        [r.request_id for r in s.waiting],
+        [r.request_id for r in s.running],
+        sorted(s.requests),
+        bm.num_free_blocks,
+        dict(bm.block_tables),
+    )
 
 
 def drain(s: Scheduler, max_steps=200):
@@ -188,15 +211,22 @@ def drain(s: Scheduler, max_steps=200):
     raise AssertionError("scheduler did not finish")
 
 
-@pytest.mark.parametrize("bad,config,message", [
-    (lambda: req("x", 0), {}, "empty"),
-    (lambda: req("x", 90, max_tokens=20), dict(max_model_len=100), "max_model_len 100"),
-    # 60 prompt tokens + 40 outputs - 1 (the last token is never fed back) = 99 tokens -> 7 blocks of 16
-    (lambda: req("x", 60, max_tokens=40), dict(num_blocks=6), "num_blocks=6"),
-    (lambda: req("x", 65), dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
-     "max_num_batched_tokens is 64"),
-    (lambda: req("a", 3), {}, "'a' is already in use"),
-])
+@pytest.mark.parametrize(
+    "bad,config,message",
+    [
+        (lambda: req("x", 0), {}, "empty"),
+        (lambda: req("x", 90, max_tokens=20), dict(max_model_len=100), "max_model_len 100"),
+        # 60 prompt tokens + 40 outputs - 1 (the last token is never fed back) = 99 tokens -> 7
+        # blocks of 16
+        (lambda: req("x", 60, max_tokens=40), dict(num_blocks=6), "num_blocks=6"),
+        (
+            lambda: req("x", 65),
+            dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
+            "max_num_batched_tokens is 64",
+        ),
+        (lambda: req("a", 3), {}, "'a' is already in use"),
+    ],
+)
 def test_add_request_refuses_and_leaves_queue_untouched(bad, config, message):
     c = EngineConfig(**{"num_blocks": 64, "max_num_seqs": 2, **config})
     s = Scheduler(c)
@@ -218,12 +248,20 @@ def test_add_request_refuses_and_leaves_queue_untouched(bad, config, message):
 
 def test_limits_are_inclusive():
     """The largest request each limit allows is accepted (and runs)."""
-    s = Scheduler(EngineConfig(num_blocks=7, max_model_len=100, enable_chunked_prefill=False,
-                               max_num_batched_tokens=64))
-    s.add_request(req("fits-len", 60, max_tokens=40, first=0))  # 100 = max_model_len; 99 tokens = 7 blocks
-    s.add_request(req("fits-budget", 64, max_tokens=1, first=500))  # prompt = max_num_batched_tokens
+    s = Scheduler(
+        EngineConfig(
+            num_blocks=7, max_model_len=100, enable_chunked_prefill=False, max_num_batched_tokens=64
+        )
+    )
+    # 100 = max_model_len; 99 tokens = 7 blocks
+    s.add_request(req("fits-len", 60, max_tokens=40, first=0))
+    # prompt = max_num_batched_tokens
+    s.add_request(req("fits-budget", 64, max_tokens=1, first=500))
     finished = drain(s)
-    assert sorted((r.request_id, r.num_output_tokens) for r in finished) == [("fits-budget", 1), ("fits-len", 40)]
+    assert sorted((r.request_id, r.num_output_tokens) for r in finished) == [
+        ("fits-budget", 1),
+        ("fits-len", 40),
+    ]
 
 
 def test_duplicate_id_is_allowed_after_the_first_finished():
@@ -239,11 +277,14 @@ def test_scheduler_needs_num_blocks():
         Scheduler(EngineConfig())
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(prompt_len=0, output_len=3), "prompt_len"),
-    (dict(prompt_len=3, output_len=0), "output_len"),
-    (dict(prompt_len=3, output_len=2, prompt_token_ids=[1, 2]), "prompt_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(prompt_len=0, output_len=3), "prompt_len"),
+        (dict(prompt_len=3, output_len=0), "output_len"),
+        (dict(prompt_len=3, output_len=2, prompt_token_ids=[1, 2]), "prompt_token_ids"),
+    ],
+)
 def test_simulate_refuses_bad_requests(kwargs, field):
     with pytest.raises(ValueError, match=field):
         simulate([SimRequest(**kwargs)], EngineConfig(num_blocks=8))

@@ -1,4 +1,5 @@
-"""CUDA-graph decode, tested on CPU through the emulation (capture keeps the callable, replay runs it).
+"""CUDA-graph decode, tested on CPU through the emulation (capture keeps the callable, replay runs
+it).
 
 What a real graph would get wrong, and these tests catch: a step that depends on anything but its
 static buffers (replayed with new contents, it must still match eager mode), a host read or a
@@ -11,14 +12,14 @@ import random
 
 import pytest
 import torch
-
-import minicb.model
-from minicb import LLM, SamplingParams
-from minicb.cuda_graph import DecodeGraphRunner, NoHostReads, batch_buckets, width_buckets
-from minicb.loader import load_model, make_tiny_model, save_tiny_model
 from reference import greedy_reference
-from minicb.request import Request
-from minicb.scheduler import ScheduledRequest, SchedulerOutput
+
+import minicb.model_executor.model
+from minicb import LLM, SamplingParams
+from minicb.core.request import Request
+from minicb.core.scheduler import ScheduledRequest, SchedulerOutput
+from minicb.model_executor.loader import load_model, make_tiny_model, save_tiny_model
+from minicb.worker.cuda_graph import DecodeGraphRunner, NoHostReads, batch_buckets, width_buckets
 
 rng = random.Random(0)
 # 16 prompts of 1..12 tokens, all prefilled in the first step with the default token budget;
@@ -30,7 +31,9 @@ MAX_TOKENS = rng.sample(range(2, 18), 16)
 # ---------------------------------------------------------------------------------- helpers
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    return load_model(save_tiny_model(tmp_path_factory.mktemp("qwen3"), arch="qwen3", seed=2), dtype=torch.float64)
+    return load_model(
+        save_tiny_model(tmp_path_factory.mktemp("qwen3"), arch="qwen3", seed=2), dtype=torch.float64
+    )
 
 
 def make_runner(loaded, **config):
@@ -45,15 +48,25 @@ def make_runner(loaded, **config):
 
 
 def decode_batch(context_lens, block_size, num_blocks, seed=0) -> SchedulerOutput:
-    """A decode-only step: row i feeds its token at position context_lens[i] - 1; random distinct blocks."""
+    """A decode-only step: row i feeds its token at position context_lens[i] - 1; random distinct
+    blocks."""
     r = random.Random(seed)
     free = r.sample(range(num_blocks), sum(-(-c // block_size) for c in context_lens))
     rows = []
     for i, ctx in enumerate(context_lens):
         table = [free.pop() for _ in range(-(-ctx // block_size))]
         req = Request(f"r{i}", [r.randrange(128) for _ in range(ctx)], SamplingParams(max_tokens=1))
-        rows.append(ScheduledRequest(req, start=ctx - 1, num_tokens=1, is_prefill=False, do_sample=True,
-                                     block_table=table, slot=i))
+        rows.append(
+            ScheduledRequest(
+                req,
+                start=ctx - 1,
+                num_tokens=1,
+                is_prefill=False,
+                do_sample=True,
+                block_table=table,
+                slot=i,
+            )
+        )
     return SchedulerOutput(step=1, scheduled=rows, num_batched_tokens=len(rows))
 
 
@@ -70,11 +83,13 @@ def graph_and_eager_logits(runner, graphs, out):
 
 
 def assert_replays_match_eager(runner, graphs, max_len, atol=1e-10):
-    """Replay every batch bucket with new contents (sizes, contexts, tables) and compare with eager mode.
-    The cache needs 16 * ceil(max_len / block_size) blocks."""
+    """Replay every batch bucket with new contents (sizes, contexts, tables) and compare with eager
+    mode. The cache needs 16 * ceil(max_len / block_size) blocks."""
     bs, r = runner.config.block_size, random.Random(1)
     for size in [1, 2, 3, 4, 5, 8, 11, 16, 9]:  # 3 and 4 share a bucket, so do 11, 16 and 9
-        out = decode_batch([r.randint(1, max_len) for _ in range(size)], bs, runner.config.num_blocks, seed=size)
+        out = decode_batch(
+            [r.randint(1, max_len) for _ in range(size)], bs, runner.config.num_blocks, seed=size
+        )
         graph, eager = graph_and_eager_logits(runner, graphs, out)
         assert graphs.last_bucket == graphs.bucket_for(size)
         assert graph.shape == eager.shape == (size, 128)
@@ -95,16 +110,26 @@ def test_buckets():
 def test_width_buckets():
     assert width_buckets(1) == [1]
     assert width_buckets(8) == [1, 2, 4, 8]
-    assert width_buckets(160) == [1, 2, 4, 8, 16, 32, 64, 128, 160]  # Qwen3's 40,960 tokens in blocks of 256
-    for n in range(1, 300):  # a step needing w columns gets a graph of fewer than 2w: never 2x the reads
+    # Qwen3's 40,960 tokens in blocks of 256
+    assert width_buckets(160) == [1, 2, 4, 8, 16, 32, 64, 128, 160]
+    for n in range(
+        1, 300
+    ):  # a step needing w columns gets a graph of fewer than 2w: never 2x the reads
         ws = width_buckets(n)
-        assert ws[-1] == n and all(min(x for x in ws if x >= w) < 2 * w for w in range(1, n + 1)), (n, ws)
+        assert ws[-1] == n and all(min(x for x in ws if x >= w) < 2 * w for w in range(1, n + 1)), (
+            n,
+            ws,
+        )
 
 
 def test_capture_order_buffers_and_routing(loaded):
-    runner, graphs = make_runner(loaded, block_size=4, num_blocks=100, max_num_seqs=20, max_model_len=30)
+    runner, graphs = make_runner(
+        loaded, block_size=4, num_blocks=100, max_num_seqs=20, max_model_len=30
+    )
     assert graphs.buckets == [1, 2, 4, 8, 16, 20]
-    assert list(graphs.graphs)[:5] == [(20, 8), (20, 4), (20, 2), (20, 1), (16, 8)], "largest graphs first"
+    assert list(graphs.graphs)[:5] == [(20, 8), (20, 4), (20, 2), (20, 1), (16, 8)], (
+        "largest graphs first"
+    )
     assert sorted(graphs.graphs) == [(b, w) for b in graphs.buckets for w in (1, 2, 4, 8)]
     assert graphs.block_tables.shape == (20, 8)  # ceil(max_model_len 30 / block_size 4) columns
     assert graphs.input_ids.shape == graphs.context_lens.shape == graphs.cache_locs.shape == (20,)
@@ -115,7 +140,9 @@ def test_capture_order_buffers_and_routing(loaded):
     assert graphs.can_run(decode_batch([5] * 20, 4, 100))
     assert not graphs.can_run(decode_batch([5] * 21, 4, 100)), "above the largest bucket: eager"
     mixed = decode_batch([5, 7], 4, 100)
-    mixed.scheduled[1] = dataclasses.replace(mixed.scheduled[1], start=3, num_tokens=4, is_prefill=True)
+    mixed.scheduled[1] = dataclasses.replace(
+        mixed.scheduled[1], start=3, num_tokens=4, is_prefill=True
+    )
     assert not graphs.can_run(mixed), "a step with a prefill chunk runs eagerly"
     with pytest.raises(ValueError, match="eagerly"):
         graphs.run(mixed)
@@ -128,9 +155,12 @@ def test_every_bucket_is_captured_once(loaded):
 
 
 def test_gather_width_follows_the_context_not_max_model_len(loaded):
-    """The regression of the first H100 run: graphs as wide as max_model_len made every step read the whole
-    context width. Short contexts under a long max_model_len must replay a narrow graph."""
-    runner, graphs = make_runner(loaded, block_size=4, num_blocks=256, max_num_seqs=8, max_model_len=256)
+    """The regression of the first H100 run: graphs as wide as max_model_len made every step read
+    the whole context width. Short contexts under a long max_model_len must replay a narrow
+    graph."""
+    runner, graphs = make_runner(
+        loaded, block_size=4, num_blocks=256, max_num_seqs=8, max_model_len=256
+    )
     assert graphs.max_blocks == 64 and graphs.widths[8] == [1, 2, 4, 8, 16, 32, 64]
     for lens in ([3], [5, 9, 2], [17, 1, 30, 4], [33] * 8, [200, 3]):
         out = decode_batch(lens, 4, 256, seed=len(lens))
@@ -142,15 +172,19 @@ def test_gather_width_follows_the_context_not_max_model_len(loaded):
 
 
 def test_graph_shapes_obey_the_token_budget(loaded):
-    """No graph attends more than max_graph_tokens (rows x columns x block_size); a step that needs more
-    columns than its bucket's widest graph runs eagerly, never through a narrower graph that would cut it."""
-    runner = make_runner(loaded, block_size=4, num_blocks=256, max_num_seqs=16, max_model_len=256)[0]
+    """No graph attends more than max_graph_tokens (rows x columns x block_size); a step that needs
+    more columns than its bucket's widest graph runs eagerly, never through a narrower graph that
+    would cut it."""
+    runner = make_runner(loaded, block_size=4, num_blocks=256, max_num_seqs=16, max_model_len=256)[
+        0
+    ]
     graphs = DecodeGraphRunner(runner, max_graph_tokens=16 * 4 * 4)
     assert all(b * w * 4 <= 256 or w == 1 for b, w in graphs.graphs)
     assert graphs.widths[16] == [1, 2, 4] and graphs.widths[1] == [1, 2, 4, 8, 16, 32, 64]
     assert graphs.graph_for(16, 4) == (16, 4) and graphs.graph_for(16, 5) is None
     assert graphs.graph_for(3, 9) == (4, 16) and graphs.graph_for(1, 64) == (1, 64)
-    wide = decode_batch([30] + [3] * 15, 4, 256)  # 16 rows, one of 8 blocks: past the 16-row bucket's widest
+    # 16 rows, one of 8 blocks: past the 16-row bucket's widest
+    wide = decode_batch([30] + [3] * 15, 4, 256)
     assert not graphs.can_run(wide)
     with pytest.raises(ValueError, match="eagerly"):
         graphs.run(wide)
@@ -159,33 +193,50 @@ def test_graph_shapes_obey_the_token_budget(loaded):
 # ---------------------------------------------------------------------------------- graph safety
 @pytest.mark.parametrize("block_size,max_len", [(4, 60), (1, 40), (16, 200)])
 def test_replay_with_new_contents_matches_eager(loaded, block_size, max_len):
-    runner, graphs = make_runner(loaded, block_size=block_size, num_blocks=16 * (max_len // block_size + 1),
-                                 max_num_seqs=16, max_model_len=max_len)
+    runner, graphs = make_runner(
+        loaded,
+        block_size=block_size,
+        num_blocks=16 * (max_len // block_size + 1),
+        max_num_seqs=16,
+        max_model_len=max_len,
+    )
     assert_replays_match_eager(runner, graphs, max_len)
 
 
 def narrow_to_host_max(real):
     """A regression: gather only as many blocks as the longest context, taken from a host list."""
+
     def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, quant=None):
-        width = -(-max(meta.context_lens_host) // k_cache.shape[1])  # Python max(): frozen at capture
+        # Python max(): frozen at capture
+        width = -(-max(meta.context_lens_host) // k_cache.shape[1])
         meta = dataclasses.replace(meta, block_tables=meta.block_tables[:, :width])
         return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant)
+
     return paged_attention
 
 
 def test_a_width_from_python_max_is_caught(loaded, monkeypatch):
-    # Eager mode cannot see this bug (its host lists are live); the replay-with-new-contents check must.
-    monkeypatch.setattr(minicb.model, "paged_attention", narrow_to_host_max(minicb.model.paged_attention))
-    runner, graphs = make_runner(loaded, block_size=4, num_blocks=256, max_num_seqs=16, max_model_len=60)
+    # Eager mode cannot see this bug (its host lists are live); the replay-with-new-contents check
+    # must.
+    monkeypatch.setattr(
+        minicb.model_executor.model,
+        "paged_attention",
+        narrow_to_host_max(minicb.model_executor.model.paged_attention),
+    )
+    runner, graphs = make_runner(
+        loaded, block_size=4, num_blocks=256, max_num_seqs=16, max_model_len=60
+    )
     with pytest.raises(AssertionError, match="not close"):
         assert_replays_match_eager(runner, graphs, 60)
 
 
 def width_from_item(real):
     def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, quant=None):
-        width = -(-int(meta.context_lens.max()) // k_cache.shape[1])  # a device value read on the host
+        # a device value read on the host
+        width = -(-int(meta.context_lens.max()) // k_cache.shape[1])
         meta = dataclasses.replace(meta, block_tables=meta.block_tables[:, :width])
         return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant)
+
     return paged_attention
 
 
@@ -195,13 +246,20 @@ def keep_live_rows(real):
         live = meta.context_lens > 1
         out[live] = out[live] * 1.0  # boolean-mask indexing: its shape depends on the data
         return out
+
     return paged_attention
 
 
-@pytest.mark.parametrize("bug,message", [(width_from_item, "reads a tensor value on the host"),
-                                         (keep_live_rows, "boolean mask")])
+@pytest.mark.parametrize(
+    "bug,message",
+    [(width_from_item, "reads a tensor value on the host"), (keep_live_rows, "boolean mask")],
+)
 def test_host_reads_and_dynamic_shapes_are_refused_at_capture(loaded, monkeypatch, bug, message):
-    monkeypatch.setattr(minicb.model, "paged_attention", bug(minicb.model.paged_attention))
+    monkeypatch.setattr(
+        minicb.model_executor.model,
+        "paged_attention",
+        bug(minicb.model_executor.model.paged_attention),
+    )
     with pytest.raises(RuntimeError, match=message):
         make_runner(loaded, block_size=4, num_blocks=100, max_num_seqs=4, max_model_len=60)
 
@@ -211,7 +269,12 @@ def test_no_host_reads_guard(inference_mode):
     x, index = torch.arange(6.0), torch.tensor([1, 2])
     with torch.inference_mode(inference_mode), NoHostReads():
         (x * 2 + x[index].sum()).softmax(0)  # device work with fixed shapes: allowed
-        for forbidden in (lambda: x.max().item(), lambda: max(x), lambda: x.nonzero(), lambda: torch.tensor([1])):
+        for forbidden in (
+            lambda: x.max().item(),
+            lambda: max(x),
+            lambda: x.nonzero(),
+            lambda: torch.tensor([1]),
+        ):
             with pytest.raises(RuntimeError, match="captured decode step"):
                 forbidden()
 
@@ -219,7 +282,10 @@ def test_no_host_reads_guard(inference_mode):
 @torch.inference_mode()
 def check_padded_rows_write_only_the_sink(runner, graphs):
     kv, bs = runner.kv_cache, runner.config.block_size
-    for context_lens in ([9, 2, 17], [30, 1, 5, 8, 13, 21, 4, 6, 11]):  # buckets 4 and 16: 1 and 7 padded rows
+    for context_lens in (
+        [9, 2, 17],
+        [30, 1, 5, 8, 13, 21, 4, 6, 11],
+    ):  # buckets 4 and 16: 1 and 7 padded rows
         out = decode_batch(context_lens, bs, runner.config.num_blocks, seed=len(context_lens))
         kv.k.normal_()  # fresh noise everywhere, the sink included, so that every write shows
         kv.v.normal_()
@@ -227,19 +293,25 @@ def check_padded_rows_write_only_the_sink(runner, graphs):
         graphs.run(out)
         assert graphs.last_bucket > len(context_lens)
         # (num_layers, num_slots, ...) -> the slots that changed in any layer, in K or V
-        diff = ((kv.k != k0) | (kv.v != v0)).flatten(1, 2).flatten(2)  # (num_layers, num_slots, kv_heads * head_dim)
+        # (num_layers, num_slots, kv_heads * head_dim)
+        diff = ((kv.k != k0) | (kv.v != v0)).flatten(1, 2).flatten(2)
         changed = diff.any(-1).any(0).nonzero().flatten().tolist()
         live = [row.block_table[row.start // bs] * bs + row.start % bs for row in out.scheduled]
-        assert changed == sorted(live + [kv.sink_loc]), "padding wrote outside the sink (or a live row did not write)"
+        assert changed == sorted(live + [kv.sink_loc]), (
+            "padding wrote outside the sink (or a live row did not write)"
+        )
 
 
 def test_padded_rows_write_only_the_sink(loaded):
-    runner, graphs = make_runner(loaded, block_size=4, num_blocks=100, max_num_seqs=16, max_model_len=60)
+    runner, graphs = make_runner(
+        loaded, block_size=4, num_blocks=100, max_num_seqs=16, max_model_len=60
+    )
     check_padded_rows_write_only_the_sink(runner, graphs)
 
 
 # ---------------------------------------------------------------------------------- parity
-# llama: plain GQA; qwen3: q/k norms and head_dim != hidden_size / num_heads (qwen2 adds nothing here)
+# llama: plain GQA; qwen3: q/k norms and head_dim != hidden_size / num_heads (qwen2 adds nothing
+# here)
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def arch_model(request, tmp_path_factory):
     """(LoadedModel, transformers' greedy tokens for every prompt, each run alone)."""
@@ -251,8 +323,12 @@ def arch_model(request, tmp_path_factory):
 
 def generate(loaded, graph_batch_cap=None, **config):
     llm = LLM.from_loaded(loaded, dtype="float64", max_num_seqs=16, **config)
-    if graph_batch_cap is not None and config["use_cuda_graph"]:  # fewer buckets than slots: bigger batches eager
-        llm.engine.runner.graph_runner = DecodeGraphRunner(llm.engine.runner, max_batch_size=graph_batch_cap)
+    if (
+        graph_batch_cap is not None and config["use_cuda_graph"]
+    ):  # fewer buckets than slots: bigger batches eager
+        llm.engine.runner.graph_runner = DecodeGraphRunner(
+            llm.engine.runner, max_batch_size=graph_batch_cap
+        )
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0, "blocks leaked after the run"
@@ -260,7 +336,8 @@ def generate(loaded, graph_batch_cap=None, **config):
 
 
 def check_graph_buckets(engine, every_bucket=True):
-    """Graphs ran exactly for the decode-only steps that fit a bucket; every bucket, padded rows too."""
+    """Graphs ran exactly for the decode-only steps that fit a bucket; every bucket, padded rows
+    too."""
     graphs = engine.runner.graph_runner
     for s in engine.trace:
         decode_only = s.rows and not any(r.is_prefill for r in s.rows)
@@ -271,13 +348,17 @@ def check_graph_buckets(engine, every_bucket=True):
         assert used - {None} == set(graphs.buckets), f"buckets {graphs.buckets} not all hit: {used}"
     else:  # e.g. prompts trickling in 8 tokens a step: the batch never gets big
         assert {1, 2, 4} <= used
-    assert any(s.graph_bucket is not None and s.graph_bucket > len(s.rows) for s in engine.trace), "no padded row"
+    assert any(s.graph_bucket is not None and s.graph_bucket > len(s.rows) for s in engine.trace), (
+        "no padded row"
+    )
     assert None in used  # prefill steps ran eagerly
 
 
 GRAPH_CONFIGS = {  # different block-table widths, with and without mixed prefill + decode steps
     "bs16_cols16": dict(block_size=16, num_blocks=64),
-    "bs4_cols8_chunked": dict(block_size=4, num_blocks=100, max_model_len=32, max_num_batched_tokens=8),
+    "bs4_cols8_chunked": dict(
+        block_size=4, num_blocks=100, max_model_len=32, max_num_batched_tokens=8
+    ),
     "bs1_cols40": dict(block_size=1, num_blocks=600, max_model_len=40),
     "bs4_cap4": dict(block_size=4, num_blocks=100, graph_batch_cap=4),
 }
@@ -292,15 +373,26 @@ def test_graphs_match_eager_and_transformers(arch_model, name):
     assert tokens == eager == refs
     check_graph_buckets(engine, every_bucket=name != "bs4_cols8_chunked")
     if name == "bs4_cap4":
-        assert any(s.graph_bucket is None and s.num_prefill_rows == 0 and len(s.rows) > 4 for s in engine.trace)
+        assert any(
+            s.graph_bucket is None and s.num_prefill_rows == 0 and len(s.rows) > 4
+            for s in engine.trace
+        )
     if name == "bs4_cols8_chunked":
-        assert any(s.num_prefill_rows and s.num_decode_rows for s in engine.trace), "no mixed prefill + decode step"
+        assert any(s.num_prefill_rows and s.num_decode_rows for s in engine.trace), (
+            "no mixed prefill + decode step"
+        )
 
 
 def test_use_cuda_graph_modes_on_cpu(loaded):
     def graph_runner(mode):
-        llm = LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=20, max_num_seqs=2,
-                              use_cuda_graph=mode)
+        llm = LLM.from_loaded(
+            loaded,
+            dtype="float64",
+            block_size=4,
+            num_blocks=20,
+            max_num_seqs=2,
+            use_cuda_graph=mode,
+        )
         return llm.engine.runner.graph_runner
 
     assert graph_runner(False) is None

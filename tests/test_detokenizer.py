@@ -1,12 +1,12 @@
-"""Incremental detokenization (minicb/detokenizer.py) on a byte-level tokenizer, where one character
-can take up to four tokens: the stream never shows half a character, and its pieces add up to the
-text that decoding everything at once gives, byte for byte."""
+"""Incremental detokenization (minicb/engine/detokenizer.py) on a byte-level tokenizer, where one
+character can take up to four tokens: the stream never shows half a character, and its pieces add up
+to the text that decoding everything at once gives, byte for byte."""
 
 import random
 
 import pytest
 
-from minicb.detokenizer import IncrementalDetokenizer
+from minicb.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = "naïve café, 日本語 and 😀 — ok"
 
@@ -29,7 +29,7 @@ def byte_tokenizer():
 def stream(tokenizer, ids, chunk_sizes):
     detok, deltas, i = IncrementalDetokenizer(tokenizer), [], 0
     for n in chunk_sizes:
-        part, i = ids[i:i + n], i + n
+        part, i = ids[i : i + n], i + n
         deltas.append(detok.add(part, finished=i >= len(ids)))
     return detok, deltas
 
@@ -58,7 +58,8 @@ def test_any_chunking_gives_the_same_text(byte_tokenizer, seed):
 def test_invalid_bytes_come_out_at_the_end(byte_tokenizer):
     # A sampled model can emit a byte that never completes a character: it is held back while the
     # request runs and flushed (as U+FFFD) when it finishes, so no text is ever lost.
-    ids = byte_tokenizer.encode("ab") + [byte_tokenizer.convert_tokens_to_ids("Ã")]  # byte 0xC3, alone
+    # byte 0xC3, alone
+    ids = byte_tokenizer.encode("ab") + [byte_tokenizer.convert_tokens_to_ids("Ã")]
     detok, deltas = stream(byte_tokenizer, ids, [1, 1, 1])
     assert deltas[:2] == ["a", "b"] and detok.text == byte_tokenizer.decode(ids) == "ab\ufffd"
 
@@ -69,11 +70,13 @@ def test_a_streamed_reply_equals_the_whole_reply_byte_for_byte(byte_tokenizer, t
     import json
 
     import torch
-
-    from minicb.loader import load_model, save_tiny_model
     from serving import serve, sse_events
 
-    path = save_tiny_model(tmp_path / "bytes", seed=4, vocab_size=256, bos_token_id=0, eos_token_id=1)
+    from minicb.model_executor.loader import load_model, save_tiny_model
+
+    path = save_tiny_model(
+        tmp_path / "bytes", seed=4, vocab_size=256, bos_token_id=0, eos_token_id=1
+    )
     byte_tokenizer.save_pretrained(path)
     loaded = load_model(path, torch.float64)
     body = {"prompt": "日本", "max_tokens": 40, "temperature": 1.0, "seed": 7, "ignore_eos": True}
@@ -83,7 +86,11 @@ def test_a_streamed_reply_equals_the_whole_reply_byte_for_byte(byte_tokenizer, t
             pieces = sse_events(r)
     streamed = "".join(p["choices"][0]["text"] for p in pieces)
     assert [t for p in pieces for t in p["choices"][0]["token_ids"]] == whole["token_ids"]
-    assert streamed.encode() == whole["text"].encode() == byte_tokenizer.decode(whole["token_ids"]).encode()
+    assert (
+        streamed.encode()
+        == whole["text"].encode()
+        == byte_tokenizer.decode(whole["token_ids"]).encode()
+    )
     assert any(len(t.encode()) > 1 for t in streamed)  # multi-byte characters were in the stream
     assert json.dumps(streamed)  # nothing a JSON encoder refuses (e.g. a lone surrogate)
 
@@ -93,25 +100,37 @@ def test_the_same_over_an_engine_core_process(byte_tokenizer, tmp_path):
     from contextlib import ExitStack
 
     import httpx
+    from serving import sse_events
 
     from minicb import EngineConfig
-    from minicb.loader import save_tiny_model
+    from minicb.model_executor.loader import save_tiny_model
     from minicb.serve.app import build_app
     from minicb.serve.cli import ServerThread
     from minicb.serve.engine_core import RemoteEngine
     from minicb.serve.engine_loop import AsyncEngine
-    from serving import sse_events
 
-    path = save_tiny_model(tmp_path / "bytes", seed=4, vocab_size=256, bos_token_id=0, eos_token_id=1)
+    path = save_tiny_model(
+        tmp_path / "bytes", seed=4, vocab_size=256, bos_token_id=0, eos_token_id=1
+    )
     byte_tokenizer.save_pretrained(path)
-    engine = RemoteEngine(EngineConfig(model=str(path), dtype="float64", block_size=4, num_blocks=128))
+    engine = RemoteEngine(
+        EngineConfig(model=str(path), dtype="float64", block_size=4, num_blocks=128)
+    )
     body = {"prompt": "日本", "max_tokens": 40, "temperature": 1.0, "seed": 7, "ignore_eos": True}
     with ExitStack() as stack:
-        http = stack.enter_context(httpx.Client(base_url=stack.enter_context(ServerThread(build_app(AsyncEngine(engine)))),
-                                                timeout=30))
+        http = stack.enter_context(
+            httpx.Client(
+                base_url=stack.enter_context(ServerThread(build_app(AsyncEngine(engine)))),
+                timeout=30,
+            )
+        )
         whole = http.post("/v1/completions", json=body).json()["choices"][0]
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             pieces = sse_events(r)
     streamed = "".join(p["choices"][0]["text"] for p in pieces)
-    assert streamed.encode() == whole["text"].encode() == byte_tokenizer.decode(whole["token_ids"]).encode()
+    assert (
+        streamed.encode()
+        == whole["text"].encode()
+        == byte_tokenizer.decode(whole["token_ids"]).encode()
+    )
     assert any(len(t.encode()) > 1 for t in streamed)

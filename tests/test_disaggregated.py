@@ -1,11 +1,17 @@
-"""Disaggregated prefill/decode in the simulator (disaggregated.py): two real schedulers, a KV transfer
-between them, and the colocated baseline on the same devices."""
+"""Disaggregated prefill/decode in the simulator (disaggregated.py): two real schedulers, a KV
+transfer between them, and the colocated baseline on the same devices."""
 
 import pytest
 
-from minicb.capacity import Arrival, StepCost, Workload, run_timed
 from minicb.config import EngineConfig
-from minicb.disaggregated import KVTransfer, _request, run_disaggregated, run_pool, run_replicas
+from minicb.reference.capacity import Arrival, StepCost, Workload, run_timed
+from minicb.reference.disaggregated import (
+    KVTransfer,
+    _request,
+    run_disaggregated,
+    run_pool,
+    run_replicas,
+)
 
 COST = StepCost(a=0.01, b=1e-4)
 PRE = EngineConfig(max_num_seqs=16, max_num_batched_tokens=1024, block_size=16, num_blocks=512)
@@ -14,13 +20,17 @@ DEC = EngineConfig(max_num_seqs=32, max_num_batched_tokens=4096, block_size=16, 
 
 def test_one_request_by_hand():
     # Prefill of 200 tokens: one step of 0.01 + 200 x 1e-4 = 0.03 s, ending with the first token.
-    # The transfer: 0.005 + 200 x 1e-5 = 0.007 s. Then 3 decode steps of 0.01 + 1e-4 (one token each).
-    run = run_disaggregated([Arrival(0.0, 200, 4)], PRE, DEC, COST, KVTransfer(0.005, 1e-5), warmup=0.0)
+    # The transfer: 0.005 + 200 x 1e-5 = 0.007 s. Then 3 decode steps of 0.01 + 1e-4 (one token
+    # each).
+    run = run_disaggregated(
+        [Arrival(0.0, 200, 4)], PRE, DEC, COST, KVTransfer(0.005, 1e-5), warmup=0.0
+    )
     (r,) = run.requests
     assert r.first_token == pytest.approx(0.03)
     assert r.finish == pytest.approx(0.03 + 0.007 + 3 * 0.0101)
     assert r.tpot == pytest.approx((0.007 + 3 * 0.0101) / 3)
-    assert len(run.step_ends) == 3 and max(run.step_blocks) == 13  # 201 tokens in, 203 cached at the end: 13 blocks
+    # 201 tokens in, 203 cached at the end: 13 blocks
+    assert len(run.step_ends) == 3 and max(run.step_blocks) == 13
 
 
 def test_a_one_token_request_never_reaches_the_decode_pool():
@@ -32,11 +42,15 @@ def test_a_one_token_request_never_reaches_the_decode_pool():
 def test_decodes_do_not_wait_for_prompts_in_the_decode_pool_but_do_when_colocated():
     # One long-running request, then a burst of long prompts while it decodes.
     arrivals = [Arrival(0.0, 64, 200)] + [Arrival(0.2 + 0.01 * i, 1500, 2) for i in range(10)]
-    colo = run_replicas(arrivals, PRE.replace(max_num_batched_tokens=512), COST, replicas=1, warmup=0.0)
+    colo = run_replicas(
+        arrivals, PRE.replace(max_num_batched_tokens=512), COST, replicas=1, warmup=0.0
+    )
     disagg = run_disaggregated(arrivals, PRE, DEC, COST, warmup=0.0)
     alone = 0.01 + 1e-4  # a decode step with one token
-    assert disagg.requests[0].tpot < 1.5 * alone  # the burst's KV lands, a token of compute per request
-    assert colo.requests[0].tpot > 1.5 * disagg.requests[0].tpot  # chunks of 512 tokens stretch its steps
+    # the burst's KV lands, a token of compute per request
+    assert disagg.requests[0].tpot < 1.5 * alone
+    # chunks of 512 tokens stretch its steps
+    assert colo.requests[0].tpot > 1.5 * disagg.requests[0].tpot
 
 
 def test_transfer_cost_moves_only_what_follows_the_first_token():
@@ -51,25 +65,41 @@ def test_every_request_finishes_and_no_block_leaks():
     arrivals = Workload((64, 800), (2, 60)).sample(20.0, 120, seed=1)
     tight = DEC.replace(num_blocks=120, max_num_seqs=16)  # the decode pool must preempt
     run = run_disaggregated(arrivals, PRE, tight, COST)
-    assert len(run.requests) == 120 and all(r.finish >= r.first_token >= r.arrival for r in run.requests)
+    assert len(run.requests) == 120 and all(
+        r.finish >= r.first_token >= r.arrival for r in run.requests
+    )
     assert sum(r.num_preemptions for r in run.requests) > 0
     assert max(run.step_blocks) <= 120
 
 
 def test_a_preempted_request_pays_for_the_kv_it_lost():
-    """Landed KV costs the decode pool no compute, until a preemption by recompute drops it: then its
-    prompt is computed again, like any prefill. No block is held once every request has finished."""
+    """Landed KV costs the decode pool no compute, until a preemption by recompute drops it: then
+    its prompt is computed again, like any prefill. No block is held once every request has
+    finished."""
+
     def entries():  # fresh requests for each run: a run changes its requests
-        return [(0.0, _request(i, list(range(1000 * (i + 1), 1000 * (i + 1) + 200)) + [1], 60, i)) for i in (0, 1)]
+        return [
+            (0.0, _request(i, list(range(1000 * (i + 1), 1000 * (i + 1) + 200)) + [1], 60, i))
+            for i in (0, 1)
+        ]
 
     loaded = {"0": 200, "1": 200}
     ample = run_pool(entries(), DEC.replace(num_blocks=200), COST, loaded)
-    tight = run_pool(entries(), DEC.replace(num_blocks=30, max_num_seqs=4, enable_prefix_caching=False), COST, loaded)
-    assert ample.preemptions == {"0": 0, "1": 0} and ample.tokens_computed == 2 * 60  # one token a step each
-    assert tight.preemptions == {"0": 0, "1": 1} and tight.tokens_computed >= 2 * 60 + 200  # its prompt again
+    tight = run_pool(
+        entries(),
+        DEC.replace(num_blocks=30, max_num_seqs=4, enable_prefix_caching=False),
+        COST,
+        loaded,
+    )
+    # one token a step each
+    assert ample.preemptions == {"0": 0, "1": 0} and ample.tokens_computed == 2 * 60
+    # its prompt again
+    assert tight.preemptions == {"0": 0, "1": 1} and tight.tokens_computed >= 2 * 60 + 200
     assert ample.blocks_held_at_end == tight.blocks_held_at_end == 0
-    cached = run_pool(entries(), DEC.replace(num_blocks=30, max_num_seqs=4), COST, loaded)  # prefix caching on:
-    assert 2 * 60 < cached.tokens_computed < tight.tokens_computed  # only what the cache lost is computed again
+    # prefix caching on:
+    cached = run_pool(entries(), DEC.replace(num_blocks=30, max_num_seqs=4), COST, loaded)
+    # only what the cache lost is computed again
+    assert 2 * 60 < cached.tokens_computed < tight.tokens_computed
 
 
 def test_pool_refuses_what_can_never_run_and_links_must_be_positive():
@@ -79,10 +109,15 @@ def test_pool_refuses_what_can_never_run_and_links_must_be_positive():
         KVTransfer.over_link(1024, 0)
     with pytest.raises(ValueError, match="negative"):
         KVTransfer(latency=-1)
-    assert KVTransfer.over_link(45 * 1024, 10).seconds(1000) == pytest.approx(1000 * 45 * 1024 / 1e10)
+    assert KVTransfer.over_link(45 * 1024, 10).seconds(1000) == pytest.approx(
+        1000 * 45 * 1024 / 1e10
+    )
     with pytest.raises(ValueError, match="replicas"):
         run_replicas([Arrival(0.0, 4, 2)], PRE, COST, replicas=0)
-    for run in (lambda: run_disaggregated([], PRE, DEC, COST), lambda: run_replicas([], PRE, COST),
-                lambda: run_timed([], PRE, COST)):
+    for run in (
+        lambda: run_disaggregated([], PRE, DEC, COST),
+        lambda: run_replicas([], PRE, COST),
+        lambda: run_timed([], PRE, COST),
+    ):
         with pytest.raises(ValueError, match="no arrivals"):
             run()

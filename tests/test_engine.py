@@ -5,15 +5,17 @@ import pytest
 import torch
 
 from minicb import LLM, Engine, EngineConfig, SamplingParams
-from minicb.kv_cache import kv_bytes_per_token
-from minicb.loader import load_model, save_tiny_model
+from minicb.model_executor.hf_config import kv_bytes_per_token
+from minicb.model_executor.loader import load_model, save_tiny_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    return load_model(save_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=3), dtype=torch.float64)
+    return load_model(
+        save_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=3), dtype=torch.float64
+    )
 
 
 @pytest.fixture
@@ -24,7 +26,9 @@ def llm(loaded):
 def test_stream_matches_generate(llm):
     prompts = [[3, 4, 5], [7] * 11, [9, 8]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 2, 7)]
-    final = {o.request_id: o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)}
+    final = {
+        o.request_id: o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+    }
     pieces, finished = {}, set()
     for out in llm.stream(prompts, params):
         assert out.request_id not in finished, "a request yielded after it finished"
@@ -37,8 +41,11 @@ def test_stream_matches_generate(llm):
 
 
 def test_outputs_in_input_order_and_metrics(llm):
-    outs = llm.generate([[5] * 20, [6], [7] * 3], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-                                                    for n in (3, 9, 1)], use_tqdm=False)
+    outs = llm.generate(
+        [[5] * 20, [6], [7] * 3],
+        [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 1)],
+        use_tqdm=False,
+    )
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 1]
     assert [o.prompt_token_ids for o in outs] == [[5] * 20, [6], [7] * 3]
     for o in outs:
@@ -48,7 +55,9 @@ def test_outputs_in_input_order_and_metrics(llm):
 
 
 def test_abort_in_any_state_frees_blocks(loaded):
-    engine = LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=64, max_num_seqs=1).engine
+    engine = LLM.from_loaded(
+        loaded, dtype="float64", block_size=4, num_blocks=64, max_num_seqs=1
+    ).engine
     a = engine.add_request([1, 2, 3, 4, 5], GREEDY)
     b = engine.add_request([6, 7, 8], GREEDY)  # waits: one slot
     engine.step()
@@ -64,32 +73,50 @@ def test_abort_in_any_state_frees_blocks(loaded):
 def test_seeded_sampling_independent_of_batch(llm):
     p = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=1234)
     alone = llm.generate([[4, 5, 6]], p, use_tqdm=False)[0].outputs[0].token_ids
-    others = [SamplingParams(max_tokens=5, temperature=1.0), SamplingParams(max_tokens=8, temperature=1.2, seed=7)]
+    others = [
+        SamplingParams(max_tokens=5, temperature=1.0),
+        SamplingParams(max_tokens=8, temperature=1.2, seed=7),
+    ]
     crowd = llm.generate([[9] * 13, [4, 5, 6], [2, 3]], [others[0], p, others[1]], use_tqdm=False)
     assert crowd[1].outputs[0].token_ids == alone
-    other_seed = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=99),
-                              use_tqdm=False)[0].outputs[0].token_ids
+    other_seed = (
+        llm.generate(
+            [[4, 5, 6]],
+            SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=99),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert other_seed != alone
 
 
 def test_kv_cache_sized_from_byte_budget(loaded):
     per_block = kv_bytes_per_token(loaded.hf_config, torch.float64) * 8
-    engine = Engine(EngineConfig(dtype="float64", block_size=8, kv_cache_memory_bytes=10 * per_block + 5), loaded)
+    engine = Engine(
+        EngineConfig(dtype="float64", block_size=8, kv_cache_memory_bytes=10 * per_block + 5),
+        loaded,
+    )
     assert engine.config.num_blocks == 10
     assert engine.kv_cache.k_caches[0].shape[0] == 11  # plus the sink block
     with pytest.raises(ValueError, match="smaller than one KV block"):
-        Engine(EngineConfig(dtype="float64", block_size=8, kv_cache_memory_bytes=per_block - 1), loaded)
+        Engine(
+            EngineConfig(dtype="float64", block_size=8, kv_cache_memory_bytes=per_block - 1), loaded
+        )
 
 
-@pytest.mark.parametrize("prompt, params, match", [
-    ([], GREEDY, "prompt is empty"),
-    ([1] * 70, GREEDY, "exceeds max_model_len 64"),
-    ([1] * 60, SamplingParams(max_tokens=10), "exceeds max_model_len 64"),
-    ([1, 2, 500], GREEDY, r"\[0, 128\)"),
-    ([1, -1], GREEDY, r"\[0, 128\)"),
-    ("some text", GREEDY, "no tokenizer"),
-    ([1, 2], "not params", "SamplingParams"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], GREEDY, "prompt is empty"),
+        ([1] * 70, GREEDY, "exceeds max_model_len 64"),
+        ([1] * 60, SamplingParams(max_tokens=10), "exceeds max_model_len 64"),
+        ([1, 2, 500], GREEDY, r"\[0, 128\)"),
+        ([1, -1], GREEDY, r"\[0, 128\)"),
+        ("some text", GREEDY, "no tokenizer"),
+        ([1, 2], "not params", "SamplingParams"),
+    ],
+)
 def test_bad_requests_are_refused_and_the_rest_keeps_running(llm, prompt, params, match):
     engine = llm.engine
     good = engine.add_request([3, 4, 5], GREEDY)
@@ -101,13 +128,16 @@ def test_bad_requests_are_refused_and_the_rest_keeps_running(llm, prompt, params
     assert outs[-1].request_id == good and len(outs[-1].outputs[0].token_ids) == 6
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=-0.1), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(max_tokens=0), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+    ],
+)
 def test_invalid_sampling_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -121,9 +151,12 @@ def test_generate_is_all_or_nothing(llm):
 
 
 def test_prepacked_cpu_weights_change_nothing_but_rounding(tmp_path, monkeypatch):
-    loaded32 = load_model(save_tiny_model(tmp_path / "m", arch="qwen2", seed=5), dtype=torch.float32)
+    loaded32 = load_model(
+        save_tiny_model(tmp_path / "m", arch="qwen2", seed=5), dtype=torch.float32
+    )
     prompts = [[3, 4, 5, 6], [9] * 17, [2, 7]]
-    # Teacher-forced: the log-probability of every prompt token, so that no sampled token steers the run.
+    # Teacher-forced: the log-probability of every prompt token, so that no sampled token steers the
+    # run.
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     runs = {}
     for packed in (False, True, "auto", "other", "auto under MINICB_CPU_KERNELS=other"):
@@ -138,21 +171,28 @@ def test_prepacked_cpu_weights_change_nothing_but_rounding(tmp_path, monkeypatch
         else:  # the kernel this machine timed faster for the shape, or the other one
             shape = f"{layer.in_features}x{layer.out_features}"
             chosen = llm.engine.cpu_kernels[shape]
-            assert type(layer).__name__ == {"onednn": "PackedLinear", "matmul": "Linear"}[chosen["kernel"]]
+            assert (
+                type(layer).__name__
+                == {"onednn": "PackedLinear", "matmul": "Linear"}[chosen["kernel"]]
+            )
             is_other = packed != "auto"
             fastest = min(chosen["seconds"], key=chosen["seconds"].get)
             assert (chosen["kernel"] != fastest) == (is_other and len(chosen["seconds"]) > 1)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        runs[packed] = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
-    # Float32: the kernels block their sums differently, so the results agree to a tolerance, not bit
-    # for bit (and a greedy token could flip on a near tie: never asserted, see style.md).
+        runs[packed] = [
+            [next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs
+        ]
+    # Float32: the kernels block their sums differently, so the results agree to a tolerance, not
+    # bit for bit (and a greedy token could flip on a near tie: never asserted, see style.md).
     for packed, logprobs in runs.items():
         for got, want in zip(logprobs, runs[False]):
             assert got == pytest.approx(want, abs=1e-4), packed
 
 
 def test_from_loaded_keeps_the_loaded_dtype_and_says_when_it_converts(tmp_path):
-    loaded64 = load_model(save_tiny_model(tmp_path / "m", arch="llama", seed=1), dtype=torch.float64)
+    loaded64 = load_model(
+        save_tiny_model(tmp_path / "m", arch="llama", seed=1), dtype=torch.float64
+    )
     llm = LLM.from_loaded(loaded64, block_size=4, num_blocks=16)
     assert llm.engine.config.dtype == "float64"
     assert llm.engine.runner.model.embed_tokens.weight.dtype == torch.float64
@@ -163,7 +203,9 @@ def test_from_loaded_keeps_the_loaded_dtype_and_says_when_it_converts(tmp_path):
 
 def test_abort_inside_stream_ends_the_stream(llm):
     seen = []
-    for out in llm.stream([[3, 4, 5], [6, 7]], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)):
+    for out in llm.stream(
+        [[3, 4, 5], [6, 7]], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    ):
         seen.append((out.request_id, out.outputs[0].finish_reason))
         if out.outputs[0].finish_reason is None:
             llm.engine.abort_request(out.request_id)  # e.g. a client that went away

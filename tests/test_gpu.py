@@ -1,23 +1,36 @@
-"""CUDA graphs on a real GPU: capture, replay, parity with eager mode and transformers, and the benchmarks.
+"""CUDA graphs on a real GPU: capture, replay, parity with eager mode and transformers, and the
+benchmarks.
 
 Every test here is skipped, with a reason, where torch sees no CUDA device; the CPU emulation in
 test_cuda_graph.py covers everything but the capture call itself. Run with `pytest -m gpu`.
-The full W2 workload also needs Qwen3-0.6B (the local HF cache, or MINICB_W2_MODEL=/path) and `-m "gpu and slow"`.
+The full W2 workload also needs Qwen3-0.6B (the local HF cache, or MINICB_W2_MODEL=/path) and `-m
+"gpu and slow"`.
 """
 
 import pytest
 import torch
-
-from minicb.attention import decode_attention
-from minicb.bench.w2 import decode_latency_by_bucket, random_model, run_w2
-from minicb.llm import LLM
-from minicb.loader import load_model, make_tiny_model, save_tiny_model
-from minicb.paged_flash import flash_pages_attention, page_pairs, pairs_attention_reference
-from minicb.sampling_params import SamplingParams
-from test_cuda_graph import (MAX_TOKENS, PROMPTS, assert_replays_match_eager, check_graph_buckets,
-                             check_padded_rows_write_only_the_sink, generate, make_runner)
-
+from test_cuda_graph import (
+    MAX_TOKENS,
+    PROMPTS,
+    assert_replays_match_eager,
+    check_graph_buckets,
+    check_padded_rows_write_only_the_sink,
+    generate,
+    make_runner,
+)
 from test_ragged_attention import ragged_batch
+
+from minicb.bench.gpu import random_model
+from minicb.bench.w2 import decode_latency_by_bucket, run_w2
+from minicb.engine.llm import LLM
+from minicb.model_executor.attention import decode_attention
+from minicb.model_executor.loader import load_model, make_tiny_model, save_tiny_model
+from minicb.model_executor.paged_flash import (
+    flash_pages_attention,
+    page_pairs,
+    pairs_attention_reference,
+)
+from minicb.sampling_params import SamplingParams
 
 NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
@@ -31,15 +44,24 @@ def tiny(tmp_path_factory):
     refs = []
     with torch.no_grad():
         for p, n in zip(PROMPTS, MAX_TOKENS):
-            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              pad_token_id=0, eos_token_id=None)
-            refs.append(out[0, len(p):].tolist())
+            out = hf.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+            refs.append(out[0, len(p) :].tolist())
     return path, load_model(path, dtype=torch.float64), refs
 
 
 def test_real_graphs_match_eager_and_transformers(tiny):
     _, loaded, refs = tiny
-    for config in (dict(block_size=16, num_blocks=64), dict(block_size=4, num_blocks=200, max_model_len=40)):
+    for config in (
+        dict(block_size=16, num_blocks=64),
+        dict(block_size=4, num_blocks=200, max_model_len=40),
+    ):
         eager, _ = generate(loaded, device="cuda", use_cuda_graph=False, **config)
         tokens, engine = generate(loaded, device="cuda", use_cuda_graph=True, **config)
         assert not engine.runner.graph_runner.emulated, "on CUDA the graphs must be real"
@@ -49,16 +71,18 @@ def test_real_graphs_match_eager_and_transformers(tiny):
 
 def test_real_replay_with_new_contents_and_sink(tiny):
     _, loaded, _ = tiny
-    runner, graphs = make_runner(loaded, device="cuda", block_size=4, num_blocks=256, max_num_seqs=16,
-                                 max_model_len=60)
+    runner, graphs = make_runner(
+        loaded, device="cuda", block_size=4, num_blocks=256, max_num_seqs=16, max_model_len=60
+    )
     assert_replays_match_eager(runner, graphs, 60)
     check_padded_rows_write_only_the_sink(runner, graphs)
 
 
 def test_decode_latency_by_bucket(tiny):
     path, _, _ = tiny
-    rows = decode_latency_by_bucket(str(path), dtype="float32", context_len=64, max_batch_size=16,
-                                    buckets=[1, 3, 16], iters=10)
+    rows = decode_latency_by_bucket(
+        str(path), dtype="float32", context_len=64, max_batch_size=16, buckets=[1, 3, 16], iters=10
+    )
     assert [(r["batch_size"], r["bucket"]) for r in rows] == [(1, 1), (3, 4), (16, 16)]
     assert all(r["eager_ms"] > 0 and r["graph_ms"] > 0 for r in rows)
     # A 2-layer model at batch 1 is all launch overhead: one replay must beat ~50 launches.
@@ -68,15 +92,24 @@ def test_decode_latency_by_bucket(tiny):
 def test_w2_runner_on_a_tiny_model(tiny):
     path, _, _ = tiny
     for use_graph in (False, True):
-        r = run_w2(str(path), use_cuda_graph=use_graph, num_requests=12, min_len=10, max_len=100,
-                   dtype="float32", max_num_seqs=8, kv_cache_memory_bytes=64 * 2**20)
+        r = run_w2(
+            str(path),
+            use_cuda_graph=use_graph,
+            num_requests=12,
+            min_len=10,
+            max_len=100,
+            dtype="float32",
+            max_num_seqs=8,
+            kv_cache_memory_bytes=64 * 2**20,
+        )
         assert r["output_tokens_per_s"] > 0 and r["num_requests"] == 12
         assert (r["graph_steps"] > 0) == use_graph, r
 
 
 @pytest.mark.parametrize("block_size, kv_heads, group", [(16, 2, 4), (256, 8, 2), (64, 4, 1)])
 def test_flash_pages_kernel_matches_the_reference(block_size, kv_heads, group):
-    """The CUDA flash kernel over (row, block) pairs against the plain-PyTorch reference and the padded gather."""
+    """The CUDA flash kernel over (row, block) pairs against the plain-PyTorch reference and the
+    padded gather."""
     q, k, v, tables, lens, sink = ragged_batch(0, 37, block_size, kv_heads, group, max_blocks=6)
     k[sink], v[sink] = 0.0, 0.0
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -89,14 +122,24 @@ def test_flash_pages_kernel_matches_the_reference(block_size, kv_heads, group):
     expected = decode_attention(q, k, v, padded, ctx, 0.125)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
     pairs.kernel = pairs_attention_reference
-    torch.testing.assert_close(got.float(), flash_pages_attention(q, k, v, pairs, 0.125).float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        got.float(), flash_pages_attention(q, k, v, pairs, 0.125).float(), rtol=2e-2, atol=2e-2
+    )
 
 
 def test_real_graphs_with_flash_pages_match_eager(tiny):
     path, _, _ = tiny
     loaded = load_model(path, dtype=torch.bfloat16)
-    runner, graphs = make_runner(loaded, device="cuda", dtype="bfloat16", block_size=16, num_blocks=256,
-                                 max_num_seqs=16, max_model_len=200, attention_backend="flash_pages")
+    runner, graphs = make_runner(
+        loaded,
+        device="cuda",
+        dtype="bfloat16",
+        block_size=16,
+        num_blocks=256,
+        max_num_seqs=16,
+        max_model_len=200,
+        attention_backend="flash_pages",
+    )
     assert graphs.pages and not graphs.emulated
     assert_replays_match_eager(runner, graphs, 200, atol=3e-2)
 
@@ -123,8 +166,13 @@ def test_defaults_on_cuda_size_the_cache_from_the_gpu(tiny):
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * len(prompts)
     pages = [o.outputs[0].token_ids for o in a.generate(prompts, params, use_tqdm=False)]
     del a, b, ea
-    gather = LLM.from_loaded(loaded, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
-                             attention_backend="gather")
+    gather = LLM.from_loaded(
+        loaded,
+        device="cuda",
+        dtype="bfloat16",
+        gpu_memory_utilization=0.3,
+        attention_backend="gather",
+    )
     ref = [o.outputs[0].token_ids for o in gather.generate(prompts, params, use_tqdm=False)]
     same = sum(x == y for p, r in zip(pages, ref) for x, y in zip(p, r))
     assert same >= 0.9 * sum(map(len, ref)), (pages, ref)
@@ -136,7 +184,12 @@ def test_w2_random_qwen3_graphs_beat_eager():
     graph = run_w2(loaded=loaded)
     eager = run_w2(loaded=loaded, use_cuda_graph=False, num_blocks=graph["num_blocks"])
     e, g = eager["output_tokens_per_s"], graph["output_tokens_per_s"]
-    print(f"\nW2 on {graph['device']}: eager {e:.0f} tok/s, CUDA graphs {g:.0f} tok/s (x{g / e:.2f})")
-    assert eager["output_tokens"] == graph["output_tokens"]  # EOS ignored: the workload's exact lengths
-    assert graph["graph_steps"] > graph["steps"] // 2, "most W2 steps should be decode-only graph replays"
+    print(
+        f"\nW2 on {graph['device']}: eager {e:.0f} tok/s, CUDA graphs {g:.0f} tok/s (x{g / e:.2f})"
+    )
+    # EOS ignored: the workload's exact lengths
+    assert eager["output_tokens"] == graph["output_tokens"]
+    assert graph["graph_steps"] > graph["steps"] // 2, (
+        "most W2 steps should be decode-only graph replays"
+    )
     assert g > e

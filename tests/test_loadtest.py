@@ -1,6 +1,6 @@
-"""The load test (minicb/serve/loadtest.py, loadgen.py, soak.py): the yardstick's arithmetic and table,
-a small run against a server on loopback beside its offline twin, the soak in a short version, and
-the soak's checks each failing on what they must catch."""
+"""The load test (minicb/serve/loadtest.py, loadgen.py, soak.py): the yardstick's arithmetic and
+table, a small run against a server on loopback beside its offline twin, the soak in a short
+version, and the soak's checks each failing on what they must catch."""
 
 import argparse
 import io
@@ -8,20 +8,21 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from serving import one_torch_thread  # noqa: F401
 
 from minicb import Engine, EngineConfig
 from minicb.bench.machine import cpu_model
-from minicb.loader import save_tiny_model
+from minicb.model_executor.loader import save_tiny_model
 from minicb.serve import loadtest
 from minicb.serve.app import build_app
 from minicb.serve.cli import ServerThread, add_arguments, add_engine_arguments, engine_config
 from minicb.serve.engine_loop import AsyncEngine
 from minicb.serve.loadgen import serve_command
 from minicb.serve.soak import FLOOD_EXTRA, verify
-from serving import one_torch_thread  # noqa: F401
 
 ENGINE = dict(dtype="float64", block_size=4, num_blocks=1024, max_num_seqs=4)
-FLAGS = ["--dtype", "float64", "--block-size", "4", "--num-blocks", "1024", "--max-num-seqs", "4"]  # the same
+# the same
+FLAGS = ["--dtype", "float64", "--block-size", "4", "--num-blocks", "1024", "--max-num-seqs", "4"]
 MAX_WAITING = 8
 
 
@@ -33,7 +34,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def url(model_dir):
     """A server on loopback, its engine in a thread of this process (quick to start; the load test's
-    own `python -m minicb serve` processes are started in tests/test_server.py and the slow test below)."""
+    own `python -m minicb serve` processes are started in tests/test_server.py and the slow test
+    below)."""
     engine = Engine(EngineConfig(model=model_dir, **ENGINE))
     with ServerThread(build_app(AsyncEngine(engine, max_waiting=MAX_WAITING))) as url:
         yield url
@@ -43,22 +45,34 @@ def url(model_dir):
 def test_the_yardstick_sets_the_right_measures_side_by_side():
     one = {"concurrency": 1, "engine": "core", "tpot_p50": 0.060, "tokens_per_s": 15.0}
     results = [{"token_ids": [1, 2]}, {"token_ids": [3]}, {"error": "cancelled"}]
-    loadtest.compare(one, results, {"token_ids": [[1, 2], [4], [5]], "tpot_p50": 0.050, "tokens_per_s": 99.0})
-    assert one["measure"] == "tpot_p50" and one["ratio"] == pytest.approx(1.2)  # server / offline, not inverted
+    loadtest.compare(
+        one, results, {"token_ids": [[1, 2], [4], [5]], "tpot_p50": 0.050, "tokens_per_s": 99.0}
+    )
+    # server / offline, not inverted
+    assert one["measure"] == "tpot_p50" and one["ratio"] == pytest.approx(1.2)
     assert (one["same_output"], one["compared"]) == (1, 2)  # a request that failed is not compared
     many = {"concurrency": 16, "engine": "core", "tpot_p50": 0.2, "tokens_per_s": 85.0}
     loadtest.compare(many, [], {"token_ids": [], "tpot_p50": 0.1, "tokens_per_s": 100.0})
     assert many["measure"] == "tokens_per_s" and many["ratio"] == pytest.approx(0.85)
     # --repeat: each side's median, and the median of the run-by-run ratios
-    runs = [dict(many, server=s, offline=o, ratio=s / o) for s, o in [(90, 100), (60, 100), (95, 100)]]
+    runs = [
+        dict(many, server=s, offline=o, ratio=s / o) for s, o in [(90, 100), (60, 100), (95, 100)]
+    ]
     rows = [loadtest.yardstick([one]), loadtest.yardstick(runs)]
     assert rows[0]["met"] and rows[0]["target"] == 1.25  # 1.2 <= 1.25
-    assert rows[1]["ratio"] == pytest.approx(0.90) and rows[1]["server"] == 90 and rows[1]["met"]  # >= 0.90
+    # >= 0.90
+    assert rows[1]["ratio"] == pytest.approx(0.90) and rows[1]["server"] == 90 and rows[1]["met"]
     assert not loadtest.yardstick([dict(many, server=89, offline=100, ratio=0.89)])["met"]
     out = io.StringIO()
     loadtest.print_yardstick(rows, "a CPU", out)
     text = out.getvalue()
-    assert "a CPU" in text and "60.0 ms" in text and "50.0 ms" in text and "1.20" in text and "<= 1.25x" in text
+    assert (
+        "a CPU" in text
+        and "60.0 ms" in text
+        and "50.0 ms" in text
+        and "1.20" in text
+        and "<= 1.25x" in text
+    )
     assert "output tok/s" in text and "0.90 0.60 0.95" in text and "NOT MET" not in text
 
 
@@ -72,11 +86,13 @@ class FakeClock:
 
 def test_offline_times_tokens_as_a_client_does(monkeypatch):
     """At 1 client the offline side's per-token time is the mean gap between a request's tokens (its
-    prefill, before the first, left out), as a client's TPOT; at more, all tokens over the wall time."""
+    prefill, before the first, left out), as a client's TPOT; at more, all tokens over the wall
+    time."""
     clock = FakeClock()
     monkeypatch.setattr(loadtest.time, "perf_counter", clock)
 
-    class FakeLLM:  # prefill 100 ms, then one token every 10 ms (stream) or 4 tokens every 10 ms (generate)
+    # prefill 100 ms, then one token every 10 ms (stream) or 4 tokens every 10 ms (generate)
+    class FakeLLM:
         def stream(self, prompts, params):
             clock.t += 0.1
             for k in range(params.max_tokens):
@@ -85,7 +101,10 @@ def test_offline_times_tokens_as_a_client_does(monkeypatch):
 
         def generate(self, prompts, params, use_tqdm):
             clock.t += 0.01 * max(p.max_tokens for p in params)
-            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(p.max_tokens)))]) for p in params]
+            return [
+                SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(p.max_tokens)))])
+                for p in params
+            ]
 
     offline = loadtest.Offline.__new__(loadtest.Offline)
     offline.config, offline.llm, offline.slots = EngineConfig(max_num_seqs=4), FakeLLM(), 1
@@ -98,11 +117,23 @@ def test_offline_times_tokens_as_a_client_does(monkeypatch):
 
 
 def test_summarize_level_counts_tokens_over_the_wall_time():
-    results = [{"token_ids": [1] * 10, "ttft": 0.1, "tpot": 0.02}, {"token_ids": [1] * 30, "ttft": 0.3, "tpot": 0.04},
-               {"error": loadtest.CANCELLED}]
-    state = {"kv_blocks_free": 8, "kv_blocks_total": 8, "kv_blocks_used": 0, "num_requests_running": 0}
+    results = [
+        {"token_ids": [1] * 10, "ttft": 0.1, "tpot": 0.02},
+        {"token_ids": [1] * 30, "ttft": 0.3, "tpot": 0.04},
+        {"error": loadtest.CANCELLED},
+    ]
+    state = {
+        "kv_blocks_free": 8,
+        "kv_blocks_total": 8,
+        "kv_blocks_used": 0,
+        "num_requests_running": 0,
+    }
     row = loadtest.summarize_level(2, results, wall=2.0, state=state)
-    assert row["tokens_per_s"] == 20.0 and row["tpot_p50"] == pytest.approx(0.03) and row["cancelled"] == 1
+    assert (
+        row["tokens_per_s"] == 20.0
+        and row["tpot_p50"] == pytest.approx(0.03)
+        and row["cancelled"] == 1
+    )
     assert row["done"] == 2 and row["all_blocks_free"] and not row["errors"]
 
 
@@ -117,38 +148,99 @@ def test_serve_command_carries_the_engine_flags():
     parsed = serve.parse_args(cmd[4:])
     assert engine_config(parsed) == engine_config(args, "/some/model")
     assert (parsed.port, parsed.max_waiting, parsed.engine_in_process) == (8123, 17, True)
-    args.core_threads = 1  # the load test's --core-threads goes to a server with an engine-core process only
-    assert serve.parse_args(serve_command(args, None, 8123, 17, in_process=False)[4:]).core_threads == 1
+    args.core_threads = (
+        1  # the load test's --core-threads goes to a server with an engine-core process only
+    )
+    assert (
+        serve.parse_args(serve_command(args, None, 8123, 17, in_process=False)[4:]).core_threads
+        == 1
+    )
     assert "--core-threads" not in serve_command(args, None, 8123, 17, in_process=True)
 
 
 # ---------------------------------------------------------------------- against a server
 def test_a_small_run_prints_the_yardstick(url, model_dir, tmp_path, capsys):
     out = tmp_path / "load.json"
-    rc = loadtest.main(["--url", url, "--model", model_dir, *FLAGS, "--concurrency", "1,4", "--num-requests", "6",
-                        "--max-tokens", "8", "--prompt-len", "6", "--json", str(out)])
+    rc = loadtest.main(
+        [
+            "--url",
+            url,
+            "--model",
+            model_dir,
+            *FLAGS,
+            "--concurrency",
+            "1,4",
+            "--num-requests",
+            "6",
+            "--max-tokens",
+            "8",
+            "--prompt-len",
+            "6",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert rc == 0 and result["ok"] and result["cpu"] == cpu_model()
     for level in result["levels"]:  # float64: the server's tokens are the offline engine's
-        assert level["done"] == level["compared"] == level["same_output"] == 6 and level["all_blocks_free"]
+        assert (
+            level["done"] == level["compared"] == level["same_output"] == 6
+            and level["all_blocks_free"]
+        )
         assert level["ratio"] == pytest.approx(level["server"] / level["offline"])
     one, four = result["yardstick"]
-    assert (one["concurrency"], one["measure"], four["concurrency"], four["measure"]) == \
-        (1, "tpot_p50", 4, "tokens_per_s")
-    assert one["server"] == result["levels"][0]["tpot_p50"] and four["server"] == result["levels"][1]["tokens_per_s"]
+    assert (one["concurrency"], one["measure"], four["concurrency"], four["measure"]) == (
+        1,
+        "tpot_p50",
+        4,
+        "tokens_per_s",
+    )
+    assert (
+        one["server"] == result["levels"][0]["tpot_p50"]
+        and four["server"] == result["levels"][1]["tokens_per_s"]
+    )
     text = capsys.readouterr().out
-    assert "the yardstick" in text and cpu_model() in text and "TPOT p50" in text and "output tok/s" in text
+    assert (
+        "the yardstick" in text
+        and cpu_model() in text
+        and "TPOT p50" in text
+        and "output tok/s" in text
+    )
 
 
 def test_the_soak_in_short(url, model_dir, tmp_path, capsys):
     out = tmp_path / "soak.json"
-    rc = loadtest.main(["--url", url, "--model", model_dir, *FLAGS, "--soak", "--soak-clients", "8",
-                        "--soak-seconds", "3", "--max-waiting", str(MAX_WAITING), "--max-tokens", "64",
-                        "--prompt-len", "8", "--json", str(out)])
+    rc = loadtest.main(
+        [
+            "--url",
+            url,
+            "--model",
+            model_dir,
+            *FLAGS,
+            "--soak",
+            "--soak-clients",
+            "8",
+            "--soak-seconds",
+            "3",
+            "--max-waiting",
+            str(MAX_WAITING),
+            "--max-tokens",
+            "64",
+            "--prompt-len",
+            "8",
+            "--json",
+            str(out),
+        ]
+    )
     (s,) = json.loads(out.read_text())["soak"]
     assert rc == 0 and s["problems"] == [], capsys.readouterr().out
-    assert s["abandoned"] > 0 and s["aborted"] >= s["abandoned"]  # every walk-away was aborted by the server
-    assert s["flood"] == 4 + MAX_WAITING + FLOOD_EXTRA and s["refused"] > 0 and s["accepted"] >= 4 + MAX_WAITING
+    # every walk-away was aborted by the server
+    assert s["abandoned"] > 0 and s["aborted"] >= s["abandoned"]
+    assert (
+        s["flood"] == 4 + MAX_WAITING + FLOOD_EXTRA
+        and s["refused"] > 0
+        and s["accepted"] >= 4 + MAX_WAITING
+    )
     assert s["finished"] > 0 and s["lost"] == s["twice"] == s["cut"] == 0
     assert s["same_as_offline"] == s["compared"] == s["requests"] + s["flood"] - s["refused"]
     assert "soak: passed" in capsys.readouterr().out
@@ -156,14 +248,24 @@ def test_the_soak_in_short(url, model_dir, tmp_path, capsys):
 
 # ---------------------------------------------------------------------- the soak's checks
 def soak_result(**change):
-    """A soak that passed (a request in full, one abandoned, a flood past a bound of 2), with `change`:
-    {"soak.0.usage": 2} sets result["soak"][0]["usage"]."""
+    """A soak that passed (a request in full, one abandoned, a flood past a bound of 2), with
+    `change`: {"soak.0.usage": 2} sets result["soak"][0]["usage"]."""
     full = {"body": 0, "status": 200, "token_ids": [7, 8, 9], "finish_reason": "length", "usage": 3}
     idle = {"kv_blocks_used": 0, "num_requests_running": 0, "num_requests_waiting": 0}
-    result = {"soak": [full, {"body": 0, "status": 200, "abandoned": True, "token_ids": [7]}],
-              "flood": [{**full, "max_tokens": 3}, {**full, "max_tokens": 3},
-                        {"body": 0, "status": 503, "retry_after": "1", "error": "HTTP 503: full"}],
-              "capacity": 2, "aborted": 1, "fresh": (200, 4), "health": 200, "idle_after_soak": idle, "state": idle}
+    result = {
+        "soak": [full, {"body": 0, "status": 200, "abandoned": True, "token_ids": [7]}],
+        "flood": [
+            {**full, "max_tokens": 3},
+            {**full, "max_tokens": 3},
+            {"body": 0, "status": 503, "retry_after": "1", "error": "HTTP 503: full"},
+        ],
+        "capacity": 2,
+        "aborted": 1,
+        "fresh": (200, 4),
+        "health": 200,
+        "idle_after_soak": idle,
+        "state": idle,
+    }
     for path, value in change.items():
         *keys, last = path.split(".")
         target = result
@@ -178,24 +280,45 @@ BODIES, REFERENCE = [{"max_tokens": 3}], [[7, 8, 9]]
 
 def test_the_soak_checks_pass_a_clean_run():
     counts = verify(soak_result(), BODIES, REFERENCE, exact=True)
-    assert counts["problems"] == [] and (counts["finished"], counts["abandoned"], counts["refused"]) == (3, 1, 1)
+    assert counts["problems"] == [] and (
+        counts["finished"],
+        counts["abandoned"],
+        counts["refused"],
+    ) == (3, 1, 1)
 
 
-@pytest.mark.parametrize("change, problem", [
-    ({"soak.0.token_ids": [7, 8], "soak.0.usage": 2}, "lost"),  # answered 200, ended short
-    ({"soak.0.finish_reason": "abort"}, "lost"),
-    ({"soak.0.usage": 2}, "differ from the server's count"),  # a token the client got twice
-    ({"soak.0.token_ids": [7, 9, 9]}, "differ from offline"),
-    ({"flood.2.status": 500}, "other than 200 and 503"),
-    ({"flood.2.retry_after": None}, "without Retry-After"),
-    ({"flood.2": {"body": 0, "status": 200, "token_ids": [7, 8, 9], "finish_reason": "length", "usage": 3,
-                  "max_tokens": 3}}, "should fill the bound"),  # nobody refused
-    ({"capacity": 3}, "should fill the bound"),  # refused before the bound was reached
-    ({"aborted": 0}, "aborted no request"),
-    ({"state": {"kv_blocks_used": 2, "num_requests_running": 0, "num_requests_waiting": 0}}, "not idle at the end"),
-    ({"fresh": (503, None)}, "a fresh request"),
-    ({"soak.1": {"body": 0, "walker": True}}, "cut at the grace limit"),
-])
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"soak.0.token_ids": [7, 8], "soak.0.usage": 2}, "lost"),  # answered 200, ended short
+        ({"soak.0.finish_reason": "abort"}, "lost"),
+        ({"soak.0.usage": 2}, "differ from the server's count"),  # a token the client got twice
+        ({"soak.0.token_ids": [7, 9, 9]}, "differ from offline"),
+        ({"flood.2.status": 500}, "other than 200 and 503"),
+        ({"flood.2.retry_after": None}, "without Retry-After"),
+        (
+            {
+                "flood.2": {
+                    "body": 0,
+                    "status": 200,
+                    "token_ids": [7, 8, 9],
+                    "finish_reason": "length",
+                    "usage": 3,
+                    "max_tokens": 3,
+                }
+            },
+            "should fill the bound",
+        ),  # nobody refused
+        ({"capacity": 3}, "should fill the bound"),  # refused before the bound was reached
+        ({"aborted": 0}, "aborted no request"),
+        (
+            {"state": {"kv_blocks_used": 2, "num_requests_running": 0, "num_requests_waiting": 0}},
+            "not idle at the end",
+        ),
+        ({"fresh": (503, None)}, "a fresh request"),
+        ({"soak.1": {"body": 0, "walker": True}}, "cut at the grace limit"),
+    ],
+)
 def test_the_soak_checks_catch(change, problem):
     problems = verify(soak_result(**change), BODIES, REFERENCE, exact=True)["problems"]
     assert any(problem in p for p in problems), problems
@@ -206,13 +329,34 @@ def test_float32_tokens_may_differ_from_offline():
     assert counts["problems"] == [] and counts["same_as_offline"] == counts["compared"] - 1
 
 
-# ---------------------------------------------------------------------- the default: `serve` processes
+# ---------------------------------------------------------------------- the default: `serve`
+# processes
 @pytest.mark.slow
 def test_both_engines_are_measured(tmp_path):
     out = tmp_path / "both.json"
-    rc = loadtest.main(["--tiny", "--engine", "both", *FLAGS, "--concurrency", "1,4", "--num-requests", "4",
-                        "--max-tokens", "8", "--prompt-len", "6", "--json", str(out)])
+    rc = loadtest.main(
+        [
+            "--tiny",
+            "--engine",
+            "both",
+            *FLAGS,
+            "--concurrency",
+            "1,4",
+            "--num-requests",
+            "4",
+            "--max-tokens",
+            "8",
+            "--prompt-len",
+            "6",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
-    assert rc == 0 and [(r["engine"], r["concurrency"]) for r in result["yardstick"]] == \
-        [("core", 1), ("core", 4), ("in-process", 1), ("in-process", 4)]
+    assert rc == 0 and [(r["engine"], r["concurrency"]) for r in result["yardstick"]] == [
+        ("core", 1),
+        ("core", 4),
+        ("in-process", 1),
+        ("in-process", 4),
+    ]
     assert all(r["same_output"] == r["compared"] == 4 for r in result["levels"])

@@ -5,15 +5,19 @@ import math
 import pytest
 
 from minicb import LLM, SamplingParams
-from minicb.loader import save_tiny_model
+from minicb.core.request import RequestMetrics
 from minicb.metrics import inter_token_latencies, mean_gap, percentile, summarize, tpot
+from minicb.model_executor.loader import save_tiny_model
 from minicb.outputs import CompletionOutput, RequestOutput
-from minicb.request import RequestMetrics
 
 
 def output(arrival, token_times, scheduled=None):
-    m = RequestMetrics(arrival_time=arrival, first_scheduled_time=scheduled if scheduled is not None else arrival,
-                       first_token_time=token_times[0], finish_time=token_times[-1])
+    m = RequestMetrics(
+        arrival_time=arrival,
+        first_scheduled_time=scheduled if scheduled is not None else arrival,
+        first_token_time=token_times[0],
+        finish_time=token_times[-1],
+    )
     for t in token_times:
         m.record_token(t)
     sample = CompletionOutput(0, "", list(range(len(token_times))), finish_reason="length")
@@ -43,7 +47,8 @@ def test_summarize_ttft_throughput_and_stalls():
     assert s.wall_time == pytest.approx(6.0) and s.throughput == pytest.approx(1.0)
     assert s.ttft_p50 == pytest.approx(2.0)  # TTFTs 1 and 3
     assert s.tpot_p50 == pytest.approx((0.5 + 1.5) / 2)  # TPOTs 0.5 and 1.5
-    assert s.itl_max == pytest.approx(2.5) and s.itl_p50 == pytest.approx(0.5)  # gaps 0.5, 0.5, 0.5, 2.5
+    # gaps 0.5, 0.5, 0.5, 2.5
+    assert s.itl_max == pytest.approx(2.5) and s.itl_p50 == pytest.approx(0.5)
     assert s.queue_p50 == pytest.approx(1.0)  # queue times 0 and 2
     assert "ITL p50 500 ms" in str(s)
 
@@ -51,7 +56,9 @@ def test_summarize_ttft_throughput_and_stalls():
 def test_the_engine_records_a_time_per_token(tmp_path):
     # RequestOutput snapshots copy the times: a later step never changes an output handed out.
     llm = LLM(str(save_tiny_model(tmp_path, seed=1)), dtype="float64", block_size=4, num_blocks=32)
-    seen = list(llm.stream([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
+    seen = list(
+        llm.stream([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    )
     assert [len(o.metrics.token_times) for o in seen] == [1, 2, 3, 4]
     times = seen[-1].metrics.token_times
     assert times == sorted(times) and times[0] == seen[-1].metrics.first_token_time

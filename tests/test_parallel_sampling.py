@@ -1,19 +1,23 @@
-"""Parallel sampling (SamplingParams.n): the prompt is computed once, the samples fork after prefill and
-share its KV blocks by reference count, and a shared, partly filled block is copied on the first write.
-Checked against the same samples run as separate requests (float64, so every token is exact)."""
+"""Parallel sampling (SamplingParams.n): the prompt is computed once, the samples fork after prefill
+and share its KV blocks by reference count, and a shared, partly filled block is copied on the first
+write. Checked against the same samples run as separate requests (float64, so every token is
+exact)."""
 
 import pytest
 import torch
 
 from minicb import LLM, SamplingParams
-from minicb.loader import load_model, save_tiny_model
+from minicb.model_executor.loader import load_model, save_tiny_model
 
-PROMPT = [(7 * i) % 120 + 3 for i in range(200)]  # 200 tokens: 12 full blocks of 16 and 8 tokens over
+# 200 tokens: 12 full blocks of 16 and 8 tokens over
+PROMPT = [(7 * i) % 120 + 3 for i in range(200)]
 
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    return load_model(save_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=3), dtype=torch.float64)
+    return load_model(
+        save_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=3), dtype=torch.float64
+    )
 
 
 def make(loaded, **config):
@@ -31,19 +35,26 @@ def run_checked(llm, prompts, params):
                 done[out.request_id] = out
         llm.engine.scheduler.block_manager.check_invariants()
         running = llm.engine.scheduler.running
-        assert sum(r.num_seqs for r in running) <= llm.engine.config.max_num_seqs  # reserved slots count
+        # reserved slots count
+        assert sum(r.num_seqs for r in running) <= llm.engine.config.max_num_seqs
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0, "blocks leaked"
     return [done[rid] for rid in ids]
 
 
 def seeded(i, **kw):
-    return SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True, **kw)
+    return SamplingParams(
+        max_tokens=12, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True, **kw
+    )
 
 
 def test_greedy_samples_are_identical_copies_of_n_1(loaded):
     llm = make(loaded)
-    one = llm.generate([PROMPT], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True), use_tqdm=False)[0]
-    (out,) = run_checked(llm, [PROMPT], SamplingParams(n=4, max_tokens=9, temperature=0, ignore_eos=True))
+    one = llm.generate(
+        [PROMPT], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True), use_tqdm=False
+    )[0]
+    (out,) = run_checked(
+        llm, [PROMPT], SamplingParams(n=4, max_tokens=9, temperature=0, ignore_eos=True)
+    )
     assert [o.index for o in out.outputs] == [0, 1, 2, 3]
     assert [o.token_ids for o in out.outputs] == [one.outputs[0].token_ids] * 4
     assert all(o.finish_reason == "length" for o in out.outputs) and out.finished
@@ -52,18 +63,24 @@ def test_greedy_samples_are_identical_copies_of_n_1(loaded):
 def test_prompt_blocks_are_allocated_once_and_the_partial_block_copied_on_write(loaded):
     llm = make(loaded, enable_prefix_caching=False)
     engine, bm = llm.engine, llm.engine.scheduler.block_manager
-    engine.add_request(PROMPT, SamplingParams(n=8, max_tokens=4, temperature=0, ignore_eos=True), request_id="r")
+    engine.add_request(
+        PROMPT, SamplingParams(n=8, max_tokens=4, temperature=0, ignore_eos=True), request_id="r"
+    )
     engine.step()  # the whole prompt in one step (budget 2048), then the fork
     tables = [bm.block_tables[rid] for rid in ["r"] + [f"{i}_r" for i in range(1, 8)]]
-    assert all(t == tables[0] for t in tables) and len(tables[0]) == 13  # all 13 blocks shared, none copied
+    # all 13 blocks shared, none copied
+    assert all(t == tables[0] for t in tables) and len(tables[0]) == 13
     assert all(bm.ref_counts[b] == 8 for b in tables[0])
     assert bm.num_used_blocks == 13
     partial = tables[0][12]
-    out = engine.scheduler.schedule()  # each sample writes its first token at position 200: block 12
-    assert len(out.blocks_to_copy) == 7  # copy-on-write: the first 7 writers copy, the last writes in place
+    # each sample writes its first token at position 200: block 12
+    out = engine.scheduler.schedule()
+    # copy-on-write: the first 7 writers copy, the last writes in place
+    assert len(out.blocks_to_copy) == 7
     assert {src for src, _ in out.blocks_to_copy} == {partial}
     tables = [bm.block_tables[rid] for rid in ["r"] + [f"{i}_r" for i in range(1, 8)]]
-    assert all(t[:12] == tables[0][:12] for t in tables)  # the 12 full prompt blocks: still one copy
+    # the 12 full prompt blocks: still one copy
+    assert all(t[:12] == tables[0][:12] for t in tables)
     assert len({t[12] for t in tables}) == 8  # one partial block per sample
     assert bm.num_used_blocks == 12 + 8  # against 8 x 13 = 104 for eight separate requests
     bm.check_invariants()
@@ -72,7 +89,9 @@ def test_prompt_blocks_are_allocated_once_and_the_partial_block_copied_on_write(
 def test_a_prompt_that_fills_its_blocks_needs_no_copy(loaded):
     llm = make(loaded, enable_prefix_caching=False)
     engine = llm.engine
-    engine.add_request(PROMPT[:192], SamplingParams(n=3, max_tokens=4, temperature=0, ignore_eos=True))
+    engine.add_request(
+        PROMPT[:192], SamplingParams(n=3, max_tokens=4, temperature=0, ignore_eos=True)
+    )
     engine.step()
     out = engine.scheduler.schedule()
     assert out.blocks_to_copy == []  # position 192 starts a new block for each sample
@@ -90,7 +109,9 @@ def test_seeded_samples_equal_separate_requests_with_seed_plus_i(loaded):
 def test_sample_i_does_not_depend_on_the_rest_of_the_batch(loaded):
     llm = make(loaded)
     (alone,) = run_checked(llm, [PROMPT], seeded(0, n=3))
-    outs = run_checked(llm, [PROMPT[:50], PROMPT, [9, 8, 7]], [seeded(7), seeded(0, n=3), seeded(8, n=2)])
+    outs = run_checked(
+        llm, [PROMPT[:50], PROMPT, [9, 8, 7]], [seeded(7), seeded(0, n=3), seeded(8, n=2)]
+    )
     assert [o.token_ids for o in outs[1].outputs] == [o.token_ids for o in alone.outputs]
 
 
@@ -101,14 +122,20 @@ def test_preempted_samples_stay_exact(loaded, mode):
     want = run_checked(ample, [PROMPT, PROMPT[::-1]], [seeded(0, n=4), seeded(5, n=4)])
     tight = make(loaded, num_blocks=30, preemption_mode=mode, max_num_seqs=8)
     got = run_checked(tight, [PROMPT, PROMPT[::-1]], [seeded(0, n=4), seeded(5, n=4)])
-    assert [[o.token_ids for o in r.outputs] for r in got] == [[o.token_ids for o in r.outputs] for r in want]
+    assert [[o.token_ids for o in r.outputs] for r in got] == [
+        [o.token_ids for o in r.outputs] for r in want
+    ]
     preempted = [rid for rec in tight.engine.trace for rid in rec.preempted + rec.swapped_out]
-    assert any("_" in rid for rid in preempted), "no forked sample was preempted: the test lost its point"
+    assert any("_" in rid for rid in preempted), (
+        "no forked sample was preempted: the test lost its point"
+    )
 
 
 def test_reserved_slots_keep_the_batch_within_max_num_seqs(loaded):
     llm = make(loaded, max_num_seqs=5)
-    outs = run_checked(llm, [[5, 6, 7], PROMPT[:30], [8, 9]], [seeded(1), seeded(0, n=4), seeded(2)])
+    outs = run_checked(
+        llm, [[5, 6, 7], PROMPT[:30], [8, 9]], [seeded(1), seeded(0, n=4), seeded(2)]
+    )
     assert [len(o.outputs) for o in outs] == [1, 4, 1]
 
 
@@ -140,14 +167,17 @@ def test_abort_frees_every_sample(loaded):
     assert len(engine.scheduler.running) == 4
     out = engine.abort_request("r")
     assert [o.finish_reason for o in out.outputs] == ["abort"] * 4
-    assert engine.scheduler.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    assert (
+        engine.scheduler.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    )
     assert engine.abort_request("r") is not None  # its books close with the next step's output
     assert [o.finished for o in engine.step()] == [True]
     assert engine.abort_request("r") is None
 
 
 def test_aborted_before_the_fork_finishes_every_sample(loaded):
-    llm = make(loaded, max_num_batched_tokens=64)  # the prompt needs 4 steps: abort during its prefill
+    # the prompt needs 4 steps: abort during its prefill
+    llm = make(loaded, max_num_batched_tokens=64)
     engine = llm.engine
     engine.add_request(PROMPT, seeded(0, n=3), request_id="r")
     engine.step()
@@ -182,7 +212,9 @@ def test_the_simulator_forks_samples_like_the_engine():
     from minicb import EngineConfig
     from minicb.sim import SimRequest, simulate
 
-    config = EngineConfig(block_size=16, num_blocks=128, enable_prefix_caching=False, max_num_batched_tokens=2048)
+    config = EngineConfig(
+        block_size=16, num_blocks=128, enable_prefix_caching=False, max_num_batched_tokens=2048
+    )
     forked = simulate([SimRequest(200, 5, n=8)], config)
     separate = simulate([SimRequest(200, 5) for _ in range(8)], config)
     used = lambda res, step: 128 - res.trace.steps[step - 1].num_free_blocks

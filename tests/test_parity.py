@@ -9,10 +9,10 @@ import random
 
 import pytest
 import torch
+from reference import greedy_reference
 
 from minicb import LLM, SamplingParams
-from minicb.loader import load_model, make_tiny_model, save_tiny_model
-from reference import greedy_reference
+from minicb.model_executor.loader import load_model, make_tiny_model, save_tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "llama3"]
 rng = random.Random(0)
@@ -21,7 +21,12 @@ SHARED = [rng.randrange(2, 128) for _ in range(21)]
 PROMPTS = [[rng.randrange(2, 128) for _ in range(n)] for n in (1, 57, 9, 33, 4, 17)]
 PROMPTS += [SHARED + [5, 6, 7], SHARED + [9, 10]]
 MAX_TOKENS = [28, 5, 1, 17, 23, 9, 12, 14]
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -50,14 +55,18 @@ CONFIGS = {
     "block_size_1": dict(block_size=1, num_blocks=1024),
     "block_size_3_no_prefix_cache": dict(block_size=3, num_blocks=400, enable_prefix_caching=False),
     "tiny_token_budget": dict(block_size=4, num_blocks=200, max_num_batched_tokens=5),
-    "no_chunked_prefill": dict(block_size=8, num_blocks=100, enable_chunked_prefill=False, max_num_batched_tokens=64),
+    "no_chunked_prefill": dict(
+        block_size=8, num_blocks=100, enable_chunked_prefill=False, max_num_batched_tokens=64
+    ),
     "two_slots_sjf": dict(block_size=4, num_blocks=100, max_num_seqs=2, scheduling_policy="sjf"),
     "static": dict(block_size=4, num_blocks=100, max_num_seqs=3, batching="static"),
-    # Speculative decoding: prompt-lookup drafts verified in the step (with block_size 1 every rejected draft
-    # frees a block; a budget of 7 trims drafts). A random model guesses badly: most drafts are rejected.
+    # Speculative decoding: prompt-lookup drafts verified in the step (with block_size 1 every
+    # rejected draft frees a block; a budget of 7 trims drafts). A random model guesses badly: most
+    # drafts are rejected.
     "spec_ngram": dict(block_size=4, num_blocks=200, speculative_config=SPEC),
-    "spec_block_size_1_tiny_budget": dict(block_size=1, num_blocks=400, max_num_batched_tokens=7,
-                                          speculative_config=SPEC),
+    "spec_block_size_1_tiny_budget": dict(
+        block_size=1, num_blocks=400, max_num_batched_tokens=7, speculative_config=SPEC
+    ),
 }
 
 
@@ -69,15 +78,23 @@ def test_matches_transformers(model, name, spec):
     tokens, trace = run(loaded, **CONFIGS[name] | ({"speculative_config": spec} if spec else {}))
     assert tokens == refs
     if spec or "speculative_config" in CONFIGS[name]:
-        assert any(r.num_drafts for s in trace for r in s.rows), "no draft was verified: the test did not test it"
+        assert any(r.num_drafts for s in trace for r in s.rows), (
+            "no draft was verified: the test did not test it"
+        )
 
 
 @pytest.mark.parametrize("mode,spec", [("recompute", None), ("swap", None), ("recompute", SPEC)])
 def test_preemption_keeps_outputs_exact(model, mode, spec):
     loaded, refs, _ = model
     # 24 blocks of 4 tokens: the longest request needs 21 on its own, so the batch must preempt.
-    tokens, trace = run(loaded, block_size=4, num_blocks=24, max_num_batched_tokens=32, preemption_mode=mode,
-                        speculative_config=spec)
+    tokens, trace = run(
+        loaded,
+        block_size=4,
+        num_blocks=24,
+        max_num_batched_tokens=32,
+        preemption_mode=mode,
+        speculative_config=spec,
+    )
     assert tokens == refs
     events = [r for s in trace for r in (s.preempted if mode == "recompute" else s.swapped_out)]
     assert events, f"no {mode} preemption happened: the test did not test it"
@@ -102,14 +119,33 @@ def test_eos_stops_like_transformers(model):
     loaded, _, hf = model
     # Declare a token the model does produce as a stop token: both must stop right after it.
     llm = LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=100)
-    free_run = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0].token_ids
+    free_run = (
+        llm.generate(
+            [PROMPTS[0]],
+            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     stop = free_run[7]
-    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop]),
-                       use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == free_run[:free_run.index(stop) + 1] and out.outputs[0].finish_reason == "stop"
-    assert out.outputs[0].stop_reason == stop  # a user stop token is the stop_reason (vLLM); EOS gives None
+    out = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop]),
+        use_tqdm=False,
+    )[0]
+    assert (
+        out.outputs[0].token_ids == free_run[: free_run.index(stop) + 1]
+        and out.outputs[0].finish_reason == "stop"
+    )
+    # a user stop token is the stop_reason (vLLM); EOS gives None
+    assert out.outputs[0].stop_reason == stop
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=20, do_sample=False, pad_token_id=0,
-                          eos_token_id=stop)[0, 1:].tolist()
+        ref = hf.generate(
+            torch.tensor([PROMPTS[0]]),
+            max_new_tokens=20,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=stop,
+        )[0, 1:].tolist()
     assert out.outputs[0].token_ids == ref

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from minicb.config import EngineConfig
-from minicb.request import Request, RequestStatus
+from minicb.core.request import Request, RequestStatus
+from minicb.core.scheduler import Scheduler
 from minicb.sampling_params import SamplingParams
-from minicb.scheduler import Scheduler
 from minicb.sim import SimRequest, simulate
 
 PREFIXES = [(), tuple(range(2, 26)), tuple(range(2, 12)) + tuple(range(60, 74))]  # 0, 24, 24 tokens
@@ -66,8 +66,13 @@ CONFIG_PARAMS = dict(
     max_model_len=st.sampled_from([None, 40]),
 )
 # (prefix index, prefix cut, suffix length, max_tokens, priority)
-REQUEST_SPEC = st.tuples(st.sampled_from(range(len(PREFIXES))), st.integers(0, 24), st.integers(0, 20),
-                         st.integers(1, 16), st.integers(0, 3))
+REQUEST_SPEC = st.tuples(
+    st.sampled_from(range(len(PREFIXES))),
+    st.integers(0, 24),
+    st.integers(0, 20),
+    st.integers(1, 16),
+    st.integers(0, 3),
+)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -75,14 +80,34 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, params):
         self.configure(**params)
 
-    def configure(self, block_size, blocks_for_tokens, max_num_seqs, budget, batching, policy, mode, chunked,
-                  prefix_caching, num_cpu_blocks, max_model_len):
+    def configure(
+        self,
+        block_size,
+        blocks_for_tokens,
+        max_num_seqs,
+        budget,
+        batching,
+        policy,
+        mode,
+        chunked,
+        prefix_caching,
+        num_cpu_blocks,
+        max_model_len,
+    ):
         num_blocks = -(-blocks_for_tokens // block_size)
-        self.config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=budget, batching=batching, scheduling_policy=policy,
-                                   preemption_mode=mode, enable_chunked_prefill=chunked,
-                                   enable_prefix_caching=prefix_caching, num_cpu_blocks=num_cpu_blocks,
-                                   max_model_len=max_model_len)
+        self.config = EngineConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            batching=batching,
+            scheduling_policy=policy,
+            preemption_mode=mode,
+            enable_chunked_prefill=chunked,
+            enable_prefix_caching=prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
+            max_model_len=max_model_len,
+        )
         self.sched = Scheduler(self.config)
         bm = self.sched.block_manager
         self.kv = ShadowKV(bm.num_blocks, bm.num_cpu_blocks, block_size)
@@ -99,13 +124,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.add_request(*spec)
 
     def add_request(self, prefix, cut, suffix, max_tokens, priority):
-        prompt = list(PREFIXES[prefix][:cut]) + list(range(self.next_token, self.next_token + suffix))
+        prompt = list(PREFIXES[prefix][:cut]) + list(
+            range(self.next_token, self.next_token + suffix)
+        )
         self.next_token += suffix
         rid = f"r{len(self.all)}"
         if self.config.scheduling_policy != "priority" and priority < 3:
             priority = 0  # priorities need scheduling_policy="priority"; a 3 here must be refused
-        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                      priority=priority, arrival_index=len(self.all))
+        req = Request(
+            rid,
+            prompt,
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            priority=priority,
+            arrival_index=len(self.all),
+        )
         c, n = self.config, len(prompt)
         violated = []  # the limits this request breaks: the error must name one of them
         if n == 0:
@@ -174,9 +206,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.check_output(out, batch_done)
         for name in ("preempted", "swapped_out", "swapped_in"):
             if getattr(out, name):
-                event(name)  # shown by --hypothesis-show-statistics: the machine reaches these paths
-        if any(r.is_prefill and r.start > 0 and r.request.num_output_tokens == 0 and r.request.admitted_step == out.step
-               for r in out.scheduled):
+                # shown by --hypothesis-show-statistics: the machine reaches these paths
+                event(name)
+        if any(
+            r.is_prefill
+            and r.start > 0
+            and r.request.num_output_tokens == 0
+            and r.request.admitted_step == out.step
+            for r in out.scheduled
+        ):
             event("prefix hit")
         self.kv.run(out)
         if abort_index is not None:
@@ -186,7 +224,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         touched = s.update(out, sampled)
         assert all(r.request_id not in self.aborted for r in touched)
         for req in touched:
-            assert req.output_token_ids[-1] == SCRIPTED_TOKEN and req.num_output_tokens <= req.params.max_tokens
+            assert (
+                req.output_token_ids[-1] == SCRIPTED_TOKEN
+                and req.num_output_tokens <= req.params.max_tokens
+            )
         s.take_finished()
 
     def check_output(self, out, batch_done):
@@ -213,13 +254,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert r.do_sample, "without chunked prefill a prompt must run whole"
         for rid in out.preempted:  # back in the queue, from scratch (unless readmitted at once)
             req = self.all[rid]
-            assert rid in out.admitted or (req.status == RequestStatus.WAITING and req.num_computed_tokens == 0)
+            assert rid in out.admitted or (
+                req.status == RequestStatus.WAITING and req.num_computed_tokens == 0
+            )
         for rid in out.swapped_out:
-            assert self.all[rid].status in (RequestStatus.SWAPPED, RequestStatus.RUNNING)  # may come back
+            # may come back
+            assert self.all[rid].status in (RequestStatus.SWAPPED, RequestStatus.RUNNING)
         if c.batching == "static":
             new = [rid for rid in out.admitted if rid not in self.static_batch]
             if new:
-                assert batch_done, f"static batch admitted {new} before {self.static_batch} finished"
+                assert batch_done, (
+                    f"static batch admitted {new} before {self.static_batch} finished"
+                )
                 # the batch is everyone who took a slot now (some get their first tokens later)
                 self.static_batch = {r.request_id for r in self.sched.running}
             live = {r.request_id for r in self.sched.running + self.sched.swapped}
@@ -228,9 +274,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ invariants
     def snapshot(self):
         s, bm = self.sched, self.sched.block_manager
-        return ([r.request_id for r in s.waiting], [r.request_id for r in s.running],
-                [r.request_id for r in s.swapped], sorted(s.requests), list(bm.free_queue),
-                {k: list(v) for k, v in bm.block_tables.items()}, list(bm.ref_counts))
+        return (
+            [r.request_id for r in s.waiting],
+            [r.request_id for r in s.running],
+            [r.request_id for r in s.swapped],
+            sorted(s.requests),
+            list(bm.free_queue),
+            {k: list(v) for k, v in bm.block_tables.items()},
+            list(bm.ref_counts),
+        )
 
     @invariant()
     def books_balance(self):
@@ -248,10 +300,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
         assert set(bm.block_tables) == {r.request_id for r in s.running}
         assert set(bm.cpu_block_tables) == {r.request_id for r in s.swapped}
-        assert bm.num_free_cpu_blocks + sum(map(len, bm.cpu_block_tables.values())) == bm.num_cpu_blocks
+        assert (
+            bm.num_free_cpu_blocks + sum(map(len, bm.cpu_block_tables.values()))
+            == bm.num_cpu_blocks
+        )
         # Queues: each unfinished request in exactly one, with the matching status.
-        queues = {RequestStatus.WAITING: s.waiting, RequestStatus.RUNNING: s.running,
-                  RequestStatus.SWAPPED: s.swapped}
+        queues = {
+            RequestStatus.WAITING: s.waiting,
+            RequestStatus.RUNNING: s.running,
+            RequestStatus.SWAPPED: s.swapped,
+        }
         in_queues = [r.request_id for q in queues.values() for r in q]
         assert sorted(in_queues) == sorted(s.requests)
         for status, q in queues.items():
@@ -266,19 +324,32 @@ class SchedulerMachine(RuleBasedStateMachine):
         for req in s.running:
             table = bm.block_tables[req.request_id]
             assert req.num_computed_tokens < req.num_tokens  # the newest token is never cached yet
-            assert self.kv.read(table, req.num_computed_tokens, "device") == req.token_ids[:req.num_computed_tokens]
+            assert (
+                self.kv.read(table, req.num_computed_tokens, "device")
+                == req.token_ids[: req.num_computed_tokens]
+            )
         for req in s.swapped:
             table = bm.cpu_block_tables[req.request_id]
-            assert self.kv.read(table, req.num_computed_tokens, "cpu") == req.token_ids[:req.num_computed_tokens]
+            assert (
+                self.kv.read(table, req.num_computed_tokens, "cpu")
+                == req.token_ids[: req.num_computed_tokens]
+            )
         # Every cached block (used or free) still holds the tokens its hash names.
-        named = {h: req.token_ids[i * c.block_size:(i + 1) * c.block_size]
-                 for req in self.all.values() for i, h in enumerate(req.block_hashes)}
+        named = {
+            h: req.token_ids[i * c.block_size : (i + 1) * c.block_size]
+            for req in self.all.values()
+            for i, h in enumerate(req.block_hashes)
+        }
         for h, b in bm.cached.items():
-            assert self.kv.device[b] == named[h], f"cached block {b} holds other tokens than its hash names"
+            assert self.kv.device[b] == named[h], (
+                f"cached block {b} holds other tokens than its hash names"
+            )
         for req in self.all.values():
             assert req.num_output_tokens <= req.params.max_tokens
             if req.is_finished and req.request_id not in self.aborted:
-                assert req.finish_reason == "length" and req.num_output_tokens == req.params.max_tokens
+                assert (
+                    req.finish_reason == "length" and req.num_output_tokens == req.params.max_tokens
+                )
 
     def teardown(self):
         if not hasattr(self, "sched"):
@@ -292,7 +363,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.books_balance()
         assert not s.has_unfinished_requests(), f"not finished after {bound} steps: {s!r}"
         bm = s.block_manager
-        assert bm.num_free_blocks == bm.num_blocks and not bm.block_tables and not bm.cpu_block_tables
+        assert (
+            bm.num_free_blocks == bm.num_blocks and not bm.block_tables and not bm.cpu_block_tables
+        )
         assert sorted(s.free_slots) == list(range(c.max_num_seqs))
         for rid, req in self.all.items():
             if rid in self.aborted:
@@ -300,14 +373,20 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             n = req.params.max_tokens
             assert req.num_output_tokens == n and req.finish_reason == "length"
-            assert req.first_token_step is not None and req.finish_step >= req.first_token_step + n - 1
+            assert (
+                req.first_token_step is not None and req.finish_step >= req.first_token_step + n - 1
+            )
             if req.num_preemptions == 0 and c.max_num_batched_tokens >= c.max_num_seqs:
                 # every running decode fits each step: N tokens take exactly N steps
                 assert req.finish_step == req.first_token_step + n - 1, req
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=50, deadline=None, derandomize=True, database=None,
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSchedulerMachine = SchedulerMachine.TestCase
@@ -315,25 +394,46 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 
 # ---------------------------------------------------------------------------------- block size
 
+
 @st.composite
 def workloads(draw):
     n = draw(st.integers(1, 10))
     reqs = []
     for i in range(n):
-        prefix = PREFIXES[draw(st.integers(0, len(PREFIXES) - 1))][:draw(st.integers(0, 24))]
+        prefix = PREFIXES[draw(st.integers(0, len(PREFIXES) - 1))][: draw(st.integers(0, 24))]
         suffix = draw(st.integers(0 if prefix else 1, 16))
         prompt = list(prefix) + [5000 + 100 * i + j for j in range(suffix)]
-        reqs.append(SimRequest(len(prompt), draw(st.integers(1, 20)), arrival_step=draw(st.integers(0, 12)),
-                               priority=draw(st.integers(0, 3)), prompt_token_ids=prompt))
+        reqs.append(
+            SimRequest(
+                len(prompt),
+                draw(st.integers(1, 20)),
+                arrival_step=draw(st.integers(0, 12)),
+                priority=draw(st.integers(0, 3)),
+                prompt_token_ids=prompt,
+            )
+        )
     return reqs
 
 
-@settings(max_examples=80, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=workloads(), policy=st.sampled_from(["fcfs", "sjf", "priority"]),
-       batching=st.sampled_from(["continuous", "static"]), mode=st.sampled_from(["recompute", "swap"]),
-       chunked=st.booleans(), max_num_seqs=st.integers(1, 5), budget=st.sampled_from([4, 8, 16, 40, 64]))
-def test_timing_does_not_depend_on_block_size(reqs, policy, batching, mode, chunked, max_num_seqs, budget):
+@settings(
+    max_examples=80,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    reqs=workloads(),
+    policy=st.sampled_from(["fcfs", "sjf", "priority"]),
+    batching=st.sampled_from(["continuous", "static"]),
+    mode=st.sampled_from(["recompute", "swap"]),
+    chunked=st.booleans(),
+    max_num_seqs=st.integers(1, 5),
+    budget=st.sampled_from([4, 8, 16, 40, 64]),
+)
+def test_timing_does_not_depend_on_block_size(
+    reqs, policy, batching, mode, chunked, max_num_seqs, budget
+):
     """With ample memory (no preemption for blocks) and no prefix cache, block size is invisible:
     who runs in which step, with how many tokens, and when each request gets its tokens."""
     if not chunked:
@@ -342,41 +442,64 @@ def test_timing_does_not_depend_on_block_size(reqs, policy, batching, mode, chun
         reqs = [dataclasses.replace(r, priority=0) for r in reqs]
     results = []
     for block_size in (1, 4, 16):
-        config = EngineConfig(block_size=block_size, num_blocks=4096, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=budget, batching=batching, scheduling_policy=policy,
-                              preemption_mode=mode, enable_chunked_prefill=chunked, enable_prefix_caching=False)
+        config = EngineConfig(
+            block_size=block_size,
+            num_blocks=4096,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            batching=batching,
+            scheduling_policy=policy,
+            preemption_mode=mode,
+            enable_chunked_prefill=chunked,
+            enable_prefix_caching=False,
+        )
         res = simulate(reqs, config, max_steps=5000)
         sampled = {}
         for rec in res.trace:
             for row in rec.rows:
                 sampled[row.request_id] = sampled.get(row.request_id, 0) + row.sampled
         assert [sampled[r.request_id] for r in res.requests] == [r.output_len for r in reqs]
-        results.append((res.num_steps,
-                        [(r.first_token_step, r.finish_step, r.num_preemptions) for r in res.requests],
-                        [[(row.request_id, row.slot, row.start, row.num_tokens) for row in rec.rows]
-                         for rec in res.trace]))
+        results.append(
+            (
+                res.num_steps,
+                [(r.first_token_step, r.finish_step, r.num_preemptions) for r in res.requests],
+                [
+                    [(row.request_id, row.slot, row.start, row.num_tokens) for row in rec.rows]
+                    for rec in res.trace
+                ],
+            )
+        )
     assert results[0] == results[1] == results[2]
 
 
 # ---------------------------------------------------------------------------------- dense workloads
+
 
 def spec_tokens(spec):
     prefix, cut, suffix, max_tokens, _ = spec
     return len(PREFIXES[prefix][:cut]) + suffix, max_tokens
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(params=st.fixed_dictionaries(CONFIG_PARAMS),
-       arrivals=st.lists(st.tuples(st.integers(1, 8), REQUEST_SPEC), min_size=8, max_size=24),
-       pressure=st.floats(0.1, 1.0),
-       aborts=st.lists(st.tuples(st.integers(1, 30), st.integers(0, 100), st.booleans()), max_size=3))
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    params=st.fixed_dictionaries(CONFIG_PARAMS),
+    arrivals=st.lists(st.tuples(st.integers(1, 8), REQUEST_SPEC), min_size=8, max_size=24),
+    pressure=st.floats(0.1, 1.0),
+    aborts=st.lists(st.tuples(st.integers(1, 30), st.integers(0, 100), st.booleans()), max_size=3),
+)
 def test_dense_workload_keeps_the_books(params, arrivals, pressure, aborts):
     """The machine's checks on a whole workload at once: many requests arriving over the first
     steps into a cache that holds only `pressure` of what they need together (but each one
     alone), so that preemption and swapping are the rule, not the exception.
     `aborts`: (step, which request, between schedule and update?)."""
-    arrivals = [(a, spec) for a, spec in arrivals if spec_tokens(spec)[0] > 0]  # empty prompts: machine test
+    # empty prompts: machine test
+    arrivals = [(a, spec) for a, spec in arrivals if spec_tokens(spec)[0] > 0]
     if params["policy"] != "priority":  # refused priorities are the machine test's business too
         arrivals = [(a, spec[:4] + (0,)) for a, spec in arrivals]
     if not arrivals:

@@ -4,12 +4,14 @@ import random
 
 import pytest
 
-from minicb.radix import RadixTree, common_prefix_len
+from minicb.reference.radix import RadixTree, common_prefix_len
 
 
 def random_sequences(rng, count, alphabet=3, max_len=12):
     # A small alphabet makes shared prefixes, splits in the middle of edges and duplicates common.
-    return [tuple(rng.randrange(alphabet) for _ in range(rng.randint(1, max_len))) for _ in range(count)]
+    return [
+        tuple(rng.randrange(alphabet) for _ in range(rng.randint(1, max_len))) for _ in range(count)
+    ]
 
 
 def prefixes(seqs):
@@ -35,7 +37,7 @@ def test_insert_and_match_equal_brute_force(seed):
     for query in random_sequences(rng, 40, max_len=15):
         assert tree.match_prefix(query) == max(common_prefix_len(s, query) for s in inserted)
     # The leaves spell out exactly the inserted sequences that are not a prefix of another one.
-    maximal = {s for s in inserted if not any(t != s and t[:len(s)] == s for t in inserted)}
+    maximal = {s for s in inserted if not any(t != s and t[: len(s)] == s for t in inserted)}
     assert set(tree.sequences()) == maximal
 
 
@@ -103,4 +105,5 @@ def test_cost_counters_count_a_walk():
     tree.insert(list(range(50)))
     tree.tokens_compared = tree.nodes_visited = 0
     assert tree.match_prefix(list(range(40)) + [-1]) == 40
-    assert (tree.nodes_visited, tree.tokens_compared) == (1, 41)  # 40 equal tokens, then the mismatch
+    # 40 equal tokens, then the mismatch
+    assert (tree.nodes_visited, tree.tokens_compared) == (1, 41)

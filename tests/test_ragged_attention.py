@@ -1,6 +1,6 @@
-"""Decode attention grouped by length (minicb/ragged_attention.py) against the padded reference
-(attention.decode_attention): the same outputs on random ragged batches, groups that cover every
-row once, and a grouping that only pays for a group when it saves padding."""
+"""Decode attention grouped by length (minicb/model_executor/ragged_attention.py) against the padded
+reference (attention.decode_attention): the same outputs on random ragged batches, groups that cover
+every row once, and a grouping that only pays for a group when it saves padding."""
 
 import itertools
 import random
@@ -8,11 +8,17 @@ import random
 import pytest
 import torch
 
-from minicb.attention import decode_attention
-from minicb.ragged_attention import decode_groups, group_rows, grouped_decode_attention
+from minicb.model_executor.attention import decode_attention
+from minicb.model_executor.ragged_attention import (
+    decode_groups,
+    group_rows,
+    grouped_decode_attention,
+)
 
 
-def ragged_batch(seed: int, batch: int, block_size: int, kv_heads: int, group: int, max_blocks: int):
+def ragged_batch(
+    seed: int, batch: int, block_size: int, kv_heads: int, group: int, max_blocks: int
+):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks, head_dim = batch * max_blocks + 1, 8
@@ -32,21 +38,25 @@ def ragged_batch(seed: int, batch: int, block_size: int, kv_heads: int, group: i
 @pytest.mark.parametrize("block_size, kv_heads, group", [(4, 2, 2), (16, 3, 3), (1, 1, 4)])
 def test_grouped_equals_the_padded_reference(seed, block_size, kv_heads, group):
     batch = [1, 3, 17, 64][seed % 4]
-    q, k_cache, v_cache, tables, lens, sink = ragged_batch(seed, batch, block_size, kv_heads, group, max_blocks=12)
+    q, k_cache, v_cache, tables, lens, sink = ragged_batch(
+        seed, batch, block_size, kv_heads, group, max_blocks=12
+    )
     width = max(map(len, tables))
     padded = torch.tensor([t + [sink] * (width - len(t)) for t in tables])
     expected = decode_attention(q, k_cache, v_cache, padded, torch.tensor(lens), 0.3)
     groups = decode_groups(tables, lens, block_size, sink, torch.float64, "cpu")
     got = grouped_decode_attention(q, k_cache, v_cache, groups, 0.3)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    assert sorted(r for rows in groups.rows for r in rows.tolist()) == list(range(batch))  # each row once
+    # each row once
+    assert sorted(r for rows in groups.rows for r in rows.tolist()) == list(range(batch))
 
 
 def test_groups_are_only_as_wide_as_their_widest_row():
     tables = [[7] * n for n in [2, 2, 3, 20, 2, 3]]
     groups = decode_groups(tables, [16 * len(t) for t in tables], 16, 0, torch.float32, "cpu")
     by_width = {t.shape[1]: sorted(r.tolist()) for r, t in zip(groups.rows, groups.tables)}
-    assert by_width == {3: [0, 1, 2, 4, 5], 20: [3]}  # the long row alone; the short ones padded to 3, not 20
+    # the long row alone; the short ones padded to 3, not 20
+    assert by_width == {3: [0, 1, 2, 4, 5], 20: [3]}
     assert [m.shape for m in groups.masks] == [(5, 1, 1, 48), (1, 1, 1, 320)]
 
 
@@ -61,8 +71,11 @@ def test_a_group_is_made_only_when_it_saves_more_than_it_costs():
         chosen = cost(group_rows(widths))
         order = sorted(range(n), key=widths.__getitem__)
         if n <= 10:  # every way to cut the sorted rows into contiguous groups
-            splits = [[order[a:b] for a, b in zip((0, *cuts), (*cuts, n))]
-                      for k in range(n) for cuts in itertools.combinations(range(1, n), k)]
+            splits = [
+                [order[a:b] for a, b in zip((0, *cuts), (*cuts, n))]
+                for k in range(n)
+                for cuts in itertools.combinations(range(1, n), k)
+            ]
             assert chosen == min(map(cost, splits))
         assert chosen <= cost([list(range(n))])
         assert chosen <= cost([[r] for r in range(n)])

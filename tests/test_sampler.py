@@ -1,11 +1,12 @@
-"""Sampler: greedy, temperature / top-k / top-p against their definitions, seeded reproducibility."""
+"""Sampler: greedy, temperature / top-k / top-p against their definitions, seeded
+reproducibility."""
 
 import math
 
 import pytest
 import torch
 
-from minicb.sampler import Sampler
+from minicb.sample.sampler import Sampler
 from minicb.sampling_params import SamplingParams
 
 LOGITS6 = [2.0, 1.5, 1.0, 0.5, 0.0, -1.0]  # six tokens, already sorted: token i has rank i
@@ -75,15 +76,18 @@ def test_mixed_batch_gives_greedy_rows_their_argmax():
     assert not torch.equal(tokens[0::2], argmax[0::2])  # at T=5 the sampled rows do wander
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [
-    (1.0, 0, 1.0),   # plain softmax
-    (0.5, 0, 1.0),   # sharper
-    (2.0, 0, 1.0),   # flatter
-    (1.0, 3, 1.0),   # top-k alone
-    (1.0, 0, 0.8),   # top-p cutting in the middle: keeps tokens 0..2
-    (1.0, 4, 0.88),  # top-k, then top-p on the renormalized top-4: keeps tokens 0..2
-    (2.0, 4, 0.6),   # the same at a higher temperature: keeps tokens 0..1
-])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [
+        (1.0, 0, 1.0),  # plain softmax
+        (0.5, 0, 1.0),  # sharper
+        (2.0, 0, 1.0),  # flatter
+        (1.0, 3, 1.0),  # top-k alone
+        (1.0, 0, 0.8),  # top-p cutting in the middle: keeps tokens 0..2
+        (1.0, 4, 0.88),  # top-k, then top-p on the renormalized top-4: keeps tokens 0..2
+        (2.0, 4, 0.6),  # the same at a higher temperature: keeps tokens 0..1
+    ],
+)
 def test_distribution_matches_definition(temperature, top_k, top_p):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     expected = expected_distribution(LOGITS6, temperature, top_k, top_p)
@@ -105,8 +109,12 @@ def test_top_p_cuts_are_in_the_middle():
 
 def test_per_row_parameters_in_one_batch():
     # Different settings interleaved in a single call: each row uses its own.
-    configs = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
-               SamplingParams(temperature=1.5, top_k=2), SamplingParams(temperature=0.0)]
+    configs = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=1.5, top_k=2),
+        SamplingParams(temperature=0.0),
+    ]
     n = 8_000
     params = configs * n
     logits = torch.tensor([LOGITS6] * len(params))
@@ -138,7 +146,7 @@ def test_sampling_is_the_exponential_race_on_the_rows_own_noise(dtype):
     mine, reference = sampler.generator_for(7, "cpu"), torch.Generator().manual_seed(7)
     params = [SamplingParams(temperature=0.9, seed=7)]
     for step in range(50):
-        got = sampler(logits[step:step + 1], params, [mine])
+        got = sampler(logits[step : step + 1], params, [mine])
         noise = -torch.log1p(-torch.rand(30, dtype=dtype, generator=reference))
         assert got.item() == (torch.softmax(logits[step] / 0.9, dim=-1) / noise).argmax().item()
 
@@ -151,8 +159,12 @@ def row_logits(key, step, vocab=64):
 def test_seeded_request_is_independent_of_the_batch():
     steps = 6
     me = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
-    others = [SamplingParams(temperature=0.8, top_k=5, seed=99), SamplingParams(temperature=1.2),
-              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.5)]
+    others = [
+        SamplingParams(temperature=0.8, top_k=5, seed=99),
+        SamplingParams(temperature=1.2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_p=0.5),
+    ]
 
     def tokens_of_me(batch_params, me_at):
         sampler = Sampler(seed=len(batch_params))  # the shared generator differs between runs too
@@ -193,7 +205,9 @@ def test_unseeded_rows_share_the_samplers_generator():
     params = [SamplingParams(temperature=1.0)] * 4
     a, b = Sampler(seed=1), Sampler(seed=1)
     assert torch.equal(a(logits, params, [None] * 4), b(logits, params, [None] * 4))
-    assert not torch.equal(a(logits, params, [None] * 4), Sampler(seed=2)(logits, params, [None] * 4))
+    assert not torch.equal(
+        a(logits, params, [None] * 4), Sampler(seed=2)(logits, params, [None] * 4)
+    )
 
 
 def test_top_k_larger_than_vocab_and_top_p_one_are_no_ops():

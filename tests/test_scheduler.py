@@ -11,9 +11,9 @@ was admitted in step a, and needs ceil((that position + 1) / block_size) blocks.
 import pytest
 
 from minicb.config import EngineConfig
-from minicb.request import Request, RequestStatus
+from minicb.core.request import Request, RequestStatus
+from minicb.core.scheduler import Scheduler
 from minicb.sampling_params import SamplingParams
-from minicb.scheduler import Scheduler
 from minicb.sim import SimRequest, simulate
 
 
@@ -40,7 +40,9 @@ class Run:
 
     def row_shapes(self, step):
         """[(request id, start, num_tokens, is_prefill)] in batch order."""
-        return [(r.request_id, r.start, r.num_tokens, r.is_prefill) for r in self.trace[step - 1].rows]
+        return [
+            (r.request_id, r.start, r.num_tokens, r.is_prefill) for r in self.trace[step - 1].rows
+        ]
 
     def output_lengths(self):
         return {rid: r.num_output_tokens for rid, r in self.reqs.items()}
@@ -53,6 +55,7 @@ def cfg(**kw):
 
 # ---------------------------------------------------------------------------------- policies
 
+
 def mean_finish(run):
     return sum(f for _, f in run.timeline()) / len(run.res.requests)
 
@@ -62,7 +65,10 @@ def test_sjf_lowers_mean_completion_step():
     # FIFO: 10 (steps 1-10), then 2 (11-12), then 3 (13-15): mean (10 + 12 + 15) / 3 = 12.33.
     # SJF:  2 (1-2), 3 (3-5), 10 (6-15):                      mean (2 + 5 + 15) / 3 = 7.33.
     reqs = [SimRequest(4, 10), SimRequest(4, 2), SimRequest(4, 3)]
-    fcfs, sjf = Run(reqs, cfg(max_num_seqs=1)), Run(reqs, cfg(max_num_seqs=1, scheduling_policy="sjf"))
+    fcfs, sjf = (
+        Run(reqs, cfg(max_num_seqs=1)),
+        Run(reqs, cfg(max_num_seqs=1, scheduling_policy="sjf")),
+    )
     assert fcfs.timeline() == [(1, 10), (11, 12), (13, 15)]
     assert sjf.timeline() == [(6, 15), (1, 2), (3, 5)]
     assert mean_finish(fcfs) == pytest.approx(37 / 3) and mean_finish(sjf) == pytest.approx(22 / 3)
@@ -85,16 +91,24 @@ def test_late_arrival_joins_a_running_batch():
 def test_fcfs_serves_by_arrival_not_by_input_position():
     # One slot. B and C arrive in step 1, A (listed first) only in step 3. B runs 1-4; in step 5
     # FIFO must take C (waiting since step 1) before A (waiting since step 3): C 5-6, A 7-8.
-    reqs = [SimRequest(4, 2, arrival_step=3, request_id="A"), SimRequest(4, 4, request_id="B"),
-            SimRequest(4, 2, request_id="C")]
+    reqs = [
+        SimRequest(4, 2, arrival_step=3, request_id="A"),
+        SimRequest(4, 4, request_id="B"),
+        SimRequest(4, 2, request_id="C"),
+    ]
     run = Run(reqs, cfg(max_num_seqs=1))
     assert run.timeline() == [(7, 8), (1, 4), (5, 6)]
 
 
-# ---------------------------------------------------------------------------------- priority preemption
+# ---------------------------------------------------------------------------------- priority
+# preemption
 
 # vLLM's rule: the LOWEST priority value is served first.
-PRIO = [SimRequest(4, 10, priority=5), SimRequest(4, 10, priority=5), SimRequest(4, 3, arrival_step=3, priority=0)]
+PRIO = [
+    SimRequest(4, 10, priority=5),
+    SimRequest(4, 10, priority=5),
+    SimRequest(4, 3, arrival_step=3, priority=0),
+]
 
 
 def test_priority_preempts_by_recompute():
@@ -103,7 +117,12 @@ def test_priority_preempts_by_recompute():
     # is preempted, and r2 takes its slot 1: r2 runs 3-5. r1 held 2 tokens; its slot frees in
     # step 5, so it comes back in step 6 and re-prefills prompt + 2 tokens = 6 tokens (no prefix
     # cache here), samples its 3rd token in step 6 and its 10th in step 13.
-    run = Run(PRIO, cfg(max_num_seqs=2, block_size=4, scheduling_policy="priority", enable_prefix_caching=False))
+    run = Run(
+        PRIO,
+        cfg(
+            max_num_seqs=2, block_size=4, scheduling_policy="priority", enable_prefix_caching=False
+        ),
+    )
     assert run.timeline() == [(1, 10), (1, 13), (3, 5)]
     assert run.trace[2].preempted == ["1"] and run.trace[2].admitted == ["2"]
     assert run.rows(3) == {0: "0", 1: "2"} and run.rows(5) == {0: "0", 1: "2"}
@@ -123,22 +142,33 @@ def test_priority_recompute_reuses_the_cached_prompt():
 def test_priority_preempts_by_swap():
     # As with recompute, but r1's blocks go to CPU in step 3 and come back in step 6, when r2's
     # slot frees: it resumes with a decode of its newest token (position 5) and ends in step 13.
-    run = Run(PRIO, cfg(max_num_seqs=2, block_size=4, scheduling_policy="priority", preemption_mode="swap"))
+    run = Run(
+        PRIO,
+        cfg(max_num_seqs=2, block_size=4, scheduling_policy="priority", preemption_mode="swap"),
+    )
     assert run.timeline() == [(1, 10), (1, 13), (3, 5)]
-    assert [(rec.step, rec.swapped_out, rec.swapped_in) for rec in run.trace if rec.swapped_out or rec.swapped_in] \
-        == [(3, ["1"], []), (6, [], ["1"])]
+    assert [
+        (rec.step, rec.swapped_out, rec.swapped_in)
+        for rec in run.trace
+        if rec.swapped_out or rec.swapped_in
+    ] == [(3, ["1"], []), (6, [], ["1"])]
     assert ("1", 5, 1, False) in run.row_shapes(6)
     assert run.output_lengths() == {"0": 10, "1": 10, "2": 3}
 
 
 def test_priority_does_not_preempt_an_equal_priority():
-    reqs = [SimRequest(4, 5, priority=3), SimRequest(4, 5, priority=3), SimRequest(4, 2, arrival_step=2, priority=3)]
+    reqs = [
+        SimRequest(4, 5, priority=3),
+        SimRequest(4, 5, priority=3),
+        SimRequest(4, 2, arrival_step=2, priority=3),
+    ]
     run = Run(reqs, cfg(max_num_seqs=2, scheduling_policy="priority"))
     assert run.timeline() == [(1, 5), (1, 5), (6, 7)]
     assert all(not rec.preempted and not rec.swapped_out for rec in run.trace)
 
 
 # ---------------------------------------------------------------------------------- chunked prefill
+
 
 def test_chunked_prefill_runs_beside_decodes():
     # Budget 32. r0, r1 (4-token prompts, 20 outputs) decode every step from step 2. The 100-token
@@ -148,10 +178,15 @@ def test_chunked_prefill_runs_beside_decodes():
     run = Run(reqs, cfg(max_num_batched_tokens=32))
     assert run.timeline() == [(1, 20), (1, 20), (5, 7)]
     for step, start, n in [(2, 0, 30), (3, 30, 30), (4, 60, 30), (5, 90, 10)]:
-        assert run.row_shapes(step) == [("0", 3 + step - 1, 1, False), ("1", 3 + step - 1, 1, False),
-                                        ("2", start, n, True)]  # decodes first
+        # decodes first
+        assert run.row_shapes(step) == [
+            ("0", 3 + step - 1, 1, False),
+            ("1", 3 + step - 1, 1, False),
+            ("2", start, n, True),
+        ]
         assert run.trace[step - 1].num_batched_tokens == 2 + n
-    assert [row.sampled for row in run.trace[3].rows] == [True, True, False]  # mid-prompt: no sample
+    # mid-prompt: no sample
+    assert [row.sampled for row in run.trace[3].rows] == [True, True, False]
     assert run.row_shapes(6)[2] == ("2", 100, 1, False)
 
 
@@ -170,6 +205,7 @@ def test_without_chunked_prefill_a_prompt_runs_whole():
 
 
 # ---------------------------------------------------------------------------------- static batching
+
 
 def test_static_with_fewer_slots_than_requests():
     # Two slots, outputs 3, 5, 2, 2, 4. Static: batch {r0, r1} runs 1-5 (slot 0 idles in 4-5),
@@ -190,11 +226,18 @@ def test_static_admits_the_whole_batch_even_when_prompts_wait_for_budget():
     # step 1, but only r0, r1 prefill there. Step 2: 2 decodes + r2 (4) + the first 2 tokens of r3.
     # Step 3: r2 decodes, r3's last 2 prompt tokens. So r0, r1: 1-2; r2: 2-3; r3: 3-4. "Admitted"
     # is the step that first gives a request tokens (design.md), so r2 and r3 count from step 2.
-    run = Run([SimRequest(4, 2) for _ in range(4)], cfg(batching="static", max_num_batched_tokens=8))
+    run = Run(
+        [SimRequest(4, 2) for _ in range(4)], cfg(batching="static", max_num_batched_tokens=8)
+    )
     assert [rec.admitted for rec in run.trace][:2] == [["0", "1"], ["2", "3"]]
     assert [r.slot for r in run.trace[1].rows] == [0, 1, 2, 3]  # all four held slots from step 1
     assert run.timeline() == [(1, 2), (1, 2), (2, 3), (3, 4)]
-    assert run.row_shapes(2) == [("0", 4, 1, False), ("1", 4, 1, False), ("2", 0, 4, True), ("3", 0, 2, True)]
+    assert run.row_shapes(2) == [
+        ("0", 4, 1, False),
+        ("1", 4, 1, False),
+        ("2", 0, 4, True),
+        ("3", 0, 2, True),
+    ]
 
 
 def test_continuous_admits_only_what_gets_tokens():
@@ -211,12 +254,25 @@ def test_static_readmits_a_preempted_member(policy):
     # test_memory_pressure_recompute, r1 is preempted in step 6 and returns in step 9 (r0 ends in
     # step 8): r1 ends in step 11. r2 (2 outputs, arriving in step 2) sorts first under SJF (and
     # under priority, where its lower value ranks first), but is not a member: it must wait for the
-    # batch to finish and run 12-13.
-    prio = (2, 2, 1) if policy == "priority" else (0, 0, 0)  # priorities need scheduling_policy="priority"
-    reqs = [SimRequest(4, 8, priority=prio[0]), SimRequest(4, 8, priority=prio[1]),
-            SimRequest(4, 2, arrival_step=2, priority=prio[2])]
-    run = Run(reqs, cfg(max_num_seqs=2, batching="static", scheduling_policy=policy, block_size=4, num_blocks=5,
-                        enable_prefix_caching=False), max_steps=100)
+    # batch to finish and run 12-13. priorities need scheduling_policy="priority"
+    prio = (2, 2, 1) if policy == "priority" else (0, 0, 0)
+    reqs = [
+        SimRequest(4, 8, priority=prio[0]),
+        SimRequest(4, 8, priority=prio[1]),
+        SimRequest(4, 2, arrival_step=2, priority=prio[2]),
+    ]
+    run = Run(
+        reqs,
+        cfg(
+            max_num_seqs=2,
+            batching="static",
+            scheduling_policy=policy,
+            block_size=4,
+            num_blocks=5,
+            enable_prefix_caching=False,
+        ),
+        max_steps=100,
+    )
     assert run.timeline() == [(1, 8), (1, 11), (12, 13)]
 
 
@@ -236,8 +292,12 @@ def test_prefix_cache_shares_two_blocks():
             seen["ref"] = list(sched.block_manager.ref_counts[:4])
             seen["tables"] = {rid: list(t) for rid, t in sched.block_manager.block_tables.items()}
 
-    reqs = [SimRequest(40, 5, prompt_token_ids=PREFIX + list(range(8)), request_id="A"),
-            SimRequest(40, 3, arrival_step=2, prompt_token_ids=PREFIX + list(range(50, 58)), request_id="B")]
+    reqs = [
+        SimRequest(40, 5, prompt_token_ids=PREFIX + list(range(8)), request_id="A"),
+        SimRequest(
+            40, 3, arrival_step=2, prompt_token_ids=PREFIX + list(range(50, 58)), request_id="B"
+        ),
+    ]
     run = Run(reqs, cfg(), look=look)
     assert seen["tables"] == {"A": [0, 1, 2], "B": [0, 1, 3]}
     assert seen["ref"] == [2, 2, 1, 1]
@@ -251,9 +311,11 @@ def test_fully_cached_prompt_still_computes_its_last_token():
     # token is never taken from the cache (its logits are needed), so C shares block 0 and
     # computes positions 16-31. D is the prefix plus A's 33rd token: it shares both blocks and
     # computes one token, position 32.
-    reqs = [SimRequest(40, 5, prompt_token_ids=PREFIX + list(range(8)), request_id="A"),
-            SimRequest(32, 2, arrival_step=2, prompt_token_ids=PREFIX, request_id="C"),
-            SimRequest(33, 2, arrival_step=2, prompt_token_ids=PREFIX + [0], request_id="D")]
+    reqs = [
+        SimRequest(40, 5, prompt_token_ids=PREFIX + list(range(8)), request_id="A"),
+        SimRequest(32, 2, arrival_step=2, prompt_token_ids=PREFIX, request_id="C"),
+        SimRequest(33, 2, arrival_step=2, prompt_token_ids=PREFIX + [0], request_id="D"),
+    ]
     run = Run(reqs, cfg())
     assert run.row_shapes(2) == [("A", 40, 1, False), ("C", 16, 16, True), ("D", 32, 1, True)]
     assert run.trace[1].block_tables["C"][0] == 0 and run.trace[1].block_tables["D"][:2] == (0, 1)
@@ -261,13 +323,18 @@ def test_fully_cached_prompt_still_computes_its_last_token():
 
 
 def test_prefix_caching_off_computes_everything():
-    reqs = [SimRequest(40, 5, prompt_token_ids=PREFIX + list(range(8)), request_id="A"),
-            SimRequest(40, 3, arrival_step=2, prompt_token_ids=PREFIX + list(range(50, 58)), request_id="B")]
+    reqs = [
+        SimRequest(40, 5, prompt_token_ids=PREFIX + list(range(8)), request_id="A"),
+        SimRequest(
+            40, 3, arrival_step=2, prompt_token_ids=PREFIX + list(range(50, 58)), request_id="B"
+        ),
+    ]
     run = Run(reqs, cfg(enable_prefix_caching=False))
     assert run.row_shapes(2) == [("A", 40, 1, False), ("B", 0, 40, True)]
 
 
 # ---------------------------------------------------------------------------------- memory pressure
+
 
 def pressure(mode, **kw):
     # 5 blocks of 4 tokens; A and B: 4-token prompts, 8 outputs (each needs ceil(11 / 4) = 3 blocks
@@ -275,13 +342,25 @@ def pressure(mode, **kw):
     # need a second block in step 2 (1 left) and a third in step 6: A (first in FIFO order) takes
     # the last free block, B finds none and, being last in the order, is its own victim.
     reqs = [SimRequest(4, 8, request_id="A"), SimRequest(4, 8, request_id="B")]
-    return Run(reqs, cfg(max_num_seqs=2, block_size=4, num_blocks=5, preemption_mode=mode,
-                         enable_prefix_caching=False, **kw))
+    return Run(
+        reqs,
+        cfg(
+            max_num_seqs=2,
+            block_size=4,
+            num_blocks=5,
+            preemption_mode=mode,
+            enable_prefix_caching=False,
+            **kw,
+        ),
+    )
 
 
 def events(run):
-    return [(rec.step, rec.preempted, rec.swapped_out, rec.swapped_in, rec.admitted) for rec in run.trace
-            if rec.preempted or rec.swapped_out or rec.swapped_in or rec.admitted]
+    return [
+        (rec.step, rec.preempted, rec.swapped_out, rec.swapped_in, rec.admitted)
+        for rec in run.trace
+        if rec.preempted or rec.swapped_out or rec.swapped_in or rec.admitted
+    ]
 
 
 def test_memory_pressure_recompute():
@@ -291,7 +370,11 @@ def test_memory_pressure_recompute():
     # token comes in step 11.
     run = pressure("recompute")
     assert run.timeline() == [(1, 8), (1, 11)]
-    assert events(run) == [(1, [], [], [], ["A", "B"]), (6, ["B"], [], [], []), (9, [], [], [], ["B"])]
+    assert events(run) == [
+        (1, [], [], [], ["A", "B"]),
+        (6, ["B"], [], [], []),
+        (9, [], [], [], ["B"]),
+    ]
     assert run.row_shapes(6) == [("A", 8, 1, False)]
     assert run.trace[5].num_free_blocks == 2 and run.trace[5].num_waiting == 1
     assert run.row_shapes(9) == [("B", 0, 9, True)]
@@ -304,7 +387,11 @@ def test_memory_pressure_swap():
     # are needed: its 2 plus one for position 8), where it resumes with a plain decode.
     run = pressure("swap")
     assert run.timeline() == [(1, 8), (1, 11)]
-    assert events(run) == [(1, [], [], [], ["A", "B"]), (6, [], ["B"], [], []), (9, [], [], ["B"], [])]
+    assert events(run) == [
+        (1, [], [], [], ["A", "B"]),
+        (6, [], ["B"], [], []),
+        (9, [], [], ["B"], []),
+    ]
     assert len(run.outs[5].blocks_to_swap_out) == 2 and run.outs[5].blocks_to_swap_in == []
     assert len(run.outs[8].blocks_to_swap_in) == 2
     assert run.trace[5].num_swapped == 1 and run.trace[8].num_swapped == 0
@@ -320,8 +407,13 @@ def test_swap_without_cpu_space_falls_back_to_recompute():
 
 # ---------------------------------------------------------------------------------- abort
 
+
 def new_request(rid, n_prompt=4, max_tokens=6, first=0):
-    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return Request(
+        rid,
+        list(range(first, first + n_prompt)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def step(s):
@@ -343,8 +435,12 @@ def drain(s, max_steps=100):
 def all_free(s):
     bm = s.block_manager
     bm.check_invariants()
-    return (bm.num_free_blocks == bm.num_blocks and bm.num_free_cpu_blocks == bm.num_cpu_blocks
-            and not bm.block_tables and sorted(s.free_slots) == list(range(s.config.max_num_seqs)))
+    return (
+        bm.num_free_blocks == bm.num_blocks
+        and bm.num_free_cpu_blocks == bm.num_cpu_blocks
+        and not bm.block_tables
+        and sorted(s.free_slots) == list(range(s.config.max_num_seqs))
+    )
 
 
 def check_aborted(s, req):
@@ -396,8 +492,15 @@ def test_abort_between_schedule_and_update_drops_the_token():
 
 def test_abort_swapped_frees_cpu_blocks():
     # The memory-pressure setup in swap mode: B is swapped out in step 6 (see above).
-    s = Scheduler(cfg(max_num_seqs=2, block_size=4, num_blocks=5, preemption_mode="swap",
-                      enable_prefix_caching=False))
+    s = Scheduler(
+        cfg(
+            max_num_seqs=2,
+            block_size=4,
+            num_blocks=5,
+            preemption_mode="swap",
+            enable_prefix_caching=False,
+        )
+    )
     s.add_request(new_request("A", max_tokens=8))
     s.add_request(new_request("B", max_tokens=8, first=100))
     for _ in range(6):
@@ -407,7 +510,10 @@ def test_abort_swapped_frees_cpu_blocks():
     check_aborted(s, b)
     assert s.block_manager.num_free_cpu_blocks == 5 and not s.swapped
     done = drain(s)
-    assert [(r.request_id, r.finish_reason, r.num_output_tokens) for r in done] == [("B", "abort", 5), ("A", "length", 8)]
+    assert [(r.request_id, r.finish_reason, r.num_output_tokens) for r in done] == [
+        ("B", "abort", 5),
+        ("A", "length", 8),
+    ]
     assert all_free(s)
 
 
@@ -420,17 +526,26 @@ def test_abort_unknown_or_finished_returns_none():
     assert s.take_finished()[0].finish_reason == "length"
 
 
-# ---------------------------------------------------------------------------------- readmission order
+# ---------------------------------------------------------------------------------- readmission
+# order
+
 
 def test_readmitted_decode_row_comes_before_prefills():
     # Block size 1, prefix caching, priority. A0 (3 outputs) and B1 (5 outputs) run from step 1.
-    # H2 (priority -1, ahead of 0) arrives in step 2 and preempts B1 (recompute), B1 having 3 tokens of which 2
-    # (its prompt) are cached. H2 and A0 finish in step 3. In step 4, G3 (priority -1) is admitted
-    # first (a 3-token prefill), then B1, whose cache hit leaves only its newest token: a decode.
-    # Decodes come first in a step's rows, so the batch must read [B1 decode, G3 prefill].
+    # H2 (priority -1, ahead of 0) arrives in step 2 and preempts B1 (recompute), B1 having 3 tokens
+    # of which 2 (its prompt) are cached. H2 and A0 finish in step 3. In step 4, G3 (priority -1) is
+    # admitted first (a 3-token prefill), then B1, whose cache hit leaves only its newest token: a
+    # decode. Decodes come first in a step's rows, so the batch must read [B1 decode, G3 prefill].
     s = Scheduler(cfg(max_num_seqs=2, block_size=1, num_blocks=64, scheduling_policy="priority"))
-    add = lambda rid, prompt, n, prio: s.add_request(Request(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True),
-                                                             priority=prio, arrival_index=int(rid[-1])))
+    add = lambda rid, prompt, n, prio: s.add_request(
+        Request(
+            rid,
+            prompt,
+            SamplingParams(max_tokens=n, ignore_eos=True),
+            priority=prio,
+            arrival_index=int(rid[-1]),
+        )
+    )
     add("A0", [1, 2], 3, 0)
     add("B1", [3, 4], 5, 0)
     step(s)
@@ -440,11 +555,14 @@ def test_readmitted_decode_row_comes_before_prefills():
     add("G3", [8, 9, 10], 2, -1)
     out = step(s)
     assert sorted(out.admitted) == ["B1", "G3"]
-    assert [(r.request.request_id, r.start, r.num_tokens, r.is_prefill) for r in out.scheduled] == \
-        [("B1", 2, 1, False), ("G3", 0, 3, True)]
+    assert [(r.request.request_id, r.start, r.num_tokens, r.is_prefill) for r in out.scheduled] == [
+        ("B1", 2, 1, False),
+        ("G3", 0, 3, True),
+    ]
 
 
 # ---------------------------------------------------------------------------------- stop conditions
+
 
 def test_stop_token_finishes_a_request():
     s = Scheduler(cfg(num_blocks=16, max_model_len=8))
@@ -455,7 +573,9 @@ def test_stop_token_finishes_a_request():
     step(s)
     out = s.schedule()
     s.update(out, [9, 1])  # stop samples its stop token; cap its second token
-    assert stop.finish_reason == "stop" and stop.output_token_ids == [1, 9] and stop.finish_step == 2
+    assert (
+        stop.finish_reason == "stop" and stop.output_token_ids == [1, 9] and stop.finish_step == 2
+    )
     assert stop.request_id not in s.block_manager.block_tables
     drain(s)
     assert cap.finish_reason == "length" and cap.num_output_tokens == 3
@@ -466,8 +586,14 @@ def test_out_of_blocks_preempts_the_lowest_priority_not_the_newcomer(prefix_cach
     # A long low-priority request is decoding when a high-priority one arrives mid-way; blocks run
     # short while the newcomer is still prefilling (4-token budget). The victim must be the
     # low-priority request (the policy's last), never the high-priority one, which finishes first.
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=4, block_size=4, num_blocks=8,
-                          scheduling_policy="priority", enable_prefix_caching=prefix_caching)
+    config = EngineConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=4,
+        block_size=4,
+        num_blocks=8,
+        scheduling_policy="priority",
+        enable_prefix_caching=prefix_caching,
+    )
     res = simulate([SimRequest(12, 18, 0, priority=5), SimRequest(16, 2, 4, priority=0)], config)
     low, high = res.requests
     assert high.num_preemptions == 0

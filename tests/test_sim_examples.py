@@ -31,26 +31,37 @@ def rows_at(res, step):
 
 
 def config(batching, slots, **kw):
-    return EngineConfig(max_num_seqs=slots, batching=batching, block_size=16, num_blocks=512,
-                        max_num_batched_tokens=256, **kw)
+    return EngineConfig(
+        max_num_seqs=slots,
+        batching=batching,
+        block_size=16,
+        num_blocks=512,
+        max_num_batched_tokens=256,
+        **kw,
+    )
 
 
 # ---------------------------------------------------------------------------------- contract basics
+
 
 def test_steps_count_from_one_and_n_tokens_take_n_steps():
     # One request, 3 output tokens: admitted and first token in step 1, then steps 2 and 3.
     res = simulate([SimRequest(prompt_len=5, output_len=3)], config("continuous", 4))
     assert timeline(res) == [(1, 3)] and res.num_steps == 3
     assert [rec.step for rec in res.trace] == [1, 2, 3]
-    assert [(row.is_prefill, row.num_tokens, row.sampled) for rec in res.trace for row in rec.rows] == \
-        [(True, 5, True), (False, 1, True), (False, 1, True)]
+    assert [
+        (row.is_prefill, row.num_tokens, row.sampled) for rec in res.trace for row in rec.rows
+    ] == [(True, 5, True), (False, 1, True), (False, 1, True)]
     one = simulate([SimRequest(prompt_len=5, output_len=1)], config("continuous", 4))
     assert timeline(one) == [(1, 1)]  # N = 1: finishes in the step of its first token
 
 
 def test_arrival_zero_and_one_both_mean_from_the_start():
     reqs = lambda a: [SimRequest(4, 3, arrival_step=a), SimRequest(4, 2, arrival_step=a)]
-    zero, one = simulate(reqs(0), config("continuous", 4)), simulate(reqs(1), config("continuous", 4))
+    zero, one = (
+        simulate(reqs(0), config("continuous", 4)),
+        simulate(reqs(1), config("continuous", 4)),
+    )
     assert timeline(zero) == timeline(one) == [(1, 3), (1, 2)]
     assert [r.arrival_step for r in zero.requests] == [1, 1]
 
@@ -63,10 +74,11 @@ def test_idle_steps_pass_before_a_late_arrival():
     assert res.requests[0].ttft_steps == 1 and res.requests[0].latency_steps == 3
 
 
-# ---------------------------------------------------------------------------------- 4, 4, 10, 10 (+4, +4)
+# ---------------------------------------------------------------------------------- 4, 4, 10, 10
+# (+4, +4)
 
-# From the article "Keep the burners busy" (section 3): four slots, outputs 4, 4, 10, 10, and two more 4-token
-# requests waiting outside.
+# From the article "Keep the burners busy" (section 3): four slots, outputs 4, 4, 10, 10, and two
+# more 4-token requests waiting outside.
 BURNERS = [4, 4, 10, 10, 4, 4]
 
 
@@ -93,10 +105,11 @@ def test_burners_continuous_takes_10_steps():
     assert res.slot_utilization == pytest.approx(36 / 40)
 
 
-# ---------------------------------------------------------------------------------- A/B/C/D timeline
+# ---------------------------------------------------------------------------------- A/B/C/D
+# timeline
 
-# From the article "Iteration-level scheduling": A 5 tokens, B 200, C 3, D 150 in four slots; E and F wait
-# (their lengths are not given there: we pick E = 4 and F = 6).
+# From the article "Iteration-level scheduling": A 5 tokens, B 200, C 3, D 150 in four slots; E and
+# F wait (their lengths are not given there: we pick E = 4 and F = 6).
 ABCD = [("A", 5), ("B", 200), ("C", 3), ("D", 150), ("E", 4), ("F", 6)]
 
 
@@ -132,10 +145,12 @@ def test_abcd_continuous():
     assert rows_at(res, 6) == {0: "F", 1: "B", 2: "E", 3: "D"}
 
 
-# ---------------------------------------------------------------------------------- 100 x 50: 500 vs ~120
+# ---------------------------------------------------------------------------------- 100 x 50: 500
+# vs ~120
 
-# The article "Maximizing GPU utilization" claims: 100 requests averaging 50 output tokens, static batches
-# of 10 -> 500 steps, continuous -> ~120 steps (4.2x). We show when that holds.
+# The article "Maximizing GPU utilization" claims: 100 requests averaging 50 output tokens, static
+# batches of 10 -> 500 steps, continuous -> ~120 steps (4.2x). We show when that holds.
+
 
 def static_vs_continuous(outputs, slots=10):
     reqs = [SimRequest(8, n) for n in outputs]  # 10 prompts of 8 tokens fit one 256-token step
@@ -173,8 +188,13 @@ def test_high_variance_gives_the_4x():
     assert s.num_steps / c.num_steps >= 4.2
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(st.lists(st.integers(1, 120), min_size=10, max_size=60))
 def test_continuous_never_beats_tokens_over_slots(outputs):
     # Why "~120 steps" cannot come from 10 slots: each step yields at most one token per slot,

@@ -3,8 +3,8 @@
 The block pictures rebuild the KV pool of every step from the trace (viz.block_views); the
 strongest check here is that this rebuild agrees, step by step, with the block manager's own
 free and cached counts recorded in the trace, under preemption, swapping and prefix sharing.
-The drawing tests read back what a figure holds (image cells, rectangles, bar and line data)
-and compare it with the trace, not only that a Figure came back.
+The drawing tests read back what a figure holds (image cells, rectangles, bar and line data) and
+compare it with the trace, not only that a Figure came back.
 """
 
 import ast
@@ -44,16 +44,27 @@ def scenario(name):
     if name == "swap":
         return simulate(pressure, EngineConfig(**small, preemption_mode="swap"))
     if name == "prefix":
-        reqs = [SimRequest(14, 6 + 2 * i, arrival_step=i + 1, prompt_token_ids=SYSTEM + [i, i])
-                for i in range(3)]
-        reqs.append(SimRequest(14, 4, arrival_step=14, prompt_token_ids=SYSTEM + [7, 7]))  # all others done
+        reqs = [
+            SimRequest(14, 6 + 2 * i, arrival_step=i + 1, prompt_token_ids=SYSTEM + [i, i])
+            for i in range(3)
+        ]
+        # all others done
+        reqs.append(SimRequest(14, 4, arrival_step=14, prompt_token_ids=SYSTEM + [7, 7]))
         return simulate(reqs, EngineConfig(max_num_seqs=4, block_size=4, num_blocks=16))
     if name == "priority":
-        reqs = [SimRequest(8, 30, priority=5) for _ in range(2)] + [SimRequest(8, 5, arrival_step=4, priority=0)]
-        return simulate(reqs, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=32, scheduling_policy="priority"))
+        reqs = [SimRequest(8, 30, priority=5) for _ in range(2)] + [
+            SimRequest(8, 5, arrival_step=4, priority=0)
+        ]
+        return simulate(
+            reqs,
+            EngineConfig(max_num_seqs=2, block_size=4, num_blocks=32, scheduling_policy="priority"),
+        )
     if name == "chunked":
         reqs = [SimRequest(40, 6), SimRequest(4, 10), SimRequest(30, 3, arrival_step=3)]
-        return simulate(reqs, EngineConfig(max_num_seqs=3, block_size=8, num_blocks=40, max_num_batched_tokens=16))
+        return simulate(
+            reqs,
+            EngineConfig(max_num_seqs=3, block_size=8, num_blocks=40, max_num_batched_tokens=16),
+        )
     raise KeyError(name)
 
 
@@ -82,7 +93,9 @@ def drawn_spans(ax):
 
 def test_scenarios_exercise_what_they_claim(runs):
     assert any(rec.preempted for rec in runs["recompute"].trace)
-    assert any(rec.swapped_out for rec in runs["swap"].trace) and any(rec.swapped_in for rec in runs["swap"].trace)
+    assert any(rec.swapped_out for rec in runs["swap"].trace) and any(
+        rec.swapped_in for rec in runs["swap"].trace
+    )
     assert any(rec.preempted for rec in runs["priority"].trace)
     assert max(rec.num_cached_blocks for rec in runs["prefix"].trace) > 0
 
@@ -92,13 +105,26 @@ def test_every_view_returns_a_figure(runs, name):
     res = runs[name]
     t = res.trace
     mid = t.steps[len(t) // 2].step
-    figs = [viz.slot_occupancy(t), viz.memory_map(t), viz.block_grid(t, mid), viz.block_grid(t, None),
-            viz.utilization_curves({name: t, "again": t}), viz.request_timeline(res.requests),
-            viz.request_timeline(res.requests, trace=t),
-            viz.latency_distributions({name: {"TTFT": [r.ttft_steps for r in res.requests],
-                                              "latency": [r.latency_steps for r in res.requests]}}),
-            viz.compare_slot_occupancy({"a": t, "b": runs["continuous"].trace}),
-            viz.step_through(t), viz.step_through(t, views=("slots", "blocks", "memory"), step=mid)]
+    figs = [
+        viz.slot_occupancy(t),
+        viz.memory_map(t),
+        viz.block_grid(t, mid),
+        viz.block_grid(t, None),
+        viz.utilization_curves({name: t, "again": t}),
+        viz.request_timeline(res.requests),
+        viz.request_timeline(res.requests, trace=t),
+        viz.latency_distributions(
+            {
+                name: {
+                    "TTFT": [r.ttft_steps for r in res.requests],
+                    "latency": [r.latency_steps for r in res.requests],
+                }
+            }
+        ),
+        viz.compare_slot_occupancy({"a": t, "b": runs["continuous"].trace}),
+        viz.step_through(t),
+        viz.step_through(t, views=("slots", "blocks", "memory"), step=mid),
+    ]
     assert all(isinstance(f, Figure) for f in figs)
     assert len(figs[-1].axes) == 3
 
@@ -120,7 +146,8 @@ def test_block_views_match_the_block_manager_every_step(runs):
 def test_block_views_see_sharing_and_fill(runs):
     t = runs["prefix"].trace
     views = {v.step: v for v in viz.block_views(t)}
-    # Request 0 computes the 3 prefix blocks in step 1; 1 and 2 arrive in steps 2 and 3 and share them.
+    # Request 0 computes the 3 prefix blocks in step 1; 1 and 2 arrive in steps 2 and 3 and share
+    # them.
     assert sorted(len(r) for r in views[3].owners.values()) == [1, 1, 1, 3, 3, 3]
     shared = [b for b, r in views[3].owners.items() if len(r) == 3]
     assert all(views[3].filled[b] == 4 for b in shared)
@@ -142,10 +169,16 @@ def test_slot_occupancy_draws_each_row_once(runs):
     assert len(ax.texts) == len(rows)  # one label per (step, slot) cell
     hatched = [p for p in ax.patches if p.get_hatch()]
     assert len(hatched) == sum(r.is_prefill for r in rows)
-    assert sum(r.is_prefill for r in rows) > len(t.request_ids())  # chunked: prompts over several steps
+    # chunked: prompts over several steps
+    assert sum(r.is_prefill for r in rows) > len(t.request_ids())
     img = ax.images[0].get_array()
     assert img.shape[:2] == (t.max_num_seqs, len(t))
-    busy = sum(1 for i in range(img.shape[0]) for j in range(img.shape[1]) if tuple(img[i, j]) != (1, 1, 1, 1))
+    busy = sum(
+        1
+        for i in range(img.shape[0])
+        for j in range(img.shape[1])
+        if tuple(img[i, j]) != (1, 1, 1, 1)
+    )
     assert busy == len(rows)
 
 
@@ -163,13 +196,18 @@ def test_slot_occupancy_cells_hold_the_scheduled_request(runs, name):
     assert {tuple(p.get_xy()) for p in ax.patches if p.get_hatch()} == prefill
     for label in ax.texts:  # a label sits on a cell of its request (mid-stretch labels between two)
         x, slot = label.get_position()
-        assert {ran.get((s, slot)) for s in {int(np.floor(x)), int(np.ceil(x))}} == {label.get_text()}
+        assert {ran.get((s, slot)) for s in {int(np.floor(x)), int(np.ceil(x))}} == {
+            label.get_text()
+        }
 
 
 def test_slot_occupancy_static_leaves_slots_idle_until_the_batch_ends(runs):
     # A and B finish in step 4. Static: slots 0 and 1 idle in steps 5..10, E and F start in 11.
     # Continuous: E and F take those slots in step 5.
-    static, cont = (viz.slot_occupancy(runs[n].trace).axes[0].images[0].get_array() for n in ("static", "continuous"))
+    static, cont = (
+        viz.slot_occupancy(runs[n].trace).axes[0].images[0].get_array()
+        for n in ("static", "continuous")
+    )
     colors = style.trace_colors(runs["static"].trace)
     assert all(cell(static, s, j) == WHITE for s in (0, 1) for j in range(4, 10))
     assert cell(static, 0, 10) == tuple(colors["E"]) and cell(static, 1, 10) == tuple(colors["F"])
@@ -194,7 +232,9 @@ def test_memory_map_colours_every_block_by_its_owner(runs, name):
     assert {(x, y) for line in drawn for x, y in zip(line.get_xdata(), line.get_ydata())} == dots
     for field, (marker, color, _) in viz.EVENTS.items():
         steps = [rec.step for rec in t if getattr(rec, field)]
-        marks = [line for line in ax.lines if line.get_marker() == marker and line.get_color() == color]
+        marks = [
+            line for line in ax.lines if line.get_marker() == marker and line.get_color() == color
+        ]
         assert [list(line.get_xdata()) for line in marks] == ([steps] if steps else [])
 
 
@@ -203,7 +243,9 @@ def test_memory_map_of_a_shared_prefix(runs):
     # and 2 hold 3 and 2 computed tokens of their own 4-token blocks 4 and 5.
     ax = viz.memory_map(runs["prefix"].trace).axes[0]
     img = ax.images[0].get_array()
-    assert [float(img[b, 2, 3]) for b in (3, 4, 5)] == pytest.approx([1.0, 0.3 + 0.7 * 3 / 4, 0.3 + 0.7 * 2 / 4])
+    assert [float(img[b, 2, 3]) for b in (3, 4, 5)] == pytest.approx(
+        [1.0, 0.3 + 0.7 * 3 / 4, 0.3 + 0.7 * 2 / 4]
+    )
     dots = {(x, y) for x, y in zip(ax.lines[0].get_xdata(), ax.lines[0].get_ydata())}
     assert {b for s, b in dots if s == 3} == {0, 1, 2}
 
@@ -215,11 +257,16 @@ def test_block_grid_draws_fill_frames_and_cache(runs, name):
     v = viz.block_views(t)[len(t) // 2]
     ax = viz.block_grid(t, rec.step, ncols=8).axes[0]
     colors, at = style.trace_colors(t), {}
-    for p in ax.patches:  # each box: pale backing and fill (held blocks only), then the frame on top
+    for (
+        p
+    ) in ax.patches:  # each box: pale backing and fill (held blocks only), then the frame on top
         at.setdefault(tuple(p.get_xy()), []).append(p)
     for (x, y), boxes in at.items():
         b, frame = int(y) * 8 + int(x), boxes[-1]
-        assert frame.get_linewidth() == (2.5 if len(v.owners.get(b, ())) > 1 else 0.6), (rec.step, b)
+        assert frame.get_linewidth() == (2.5 if len(v.owners.get(b, ())) > 1 else 0.6), (
+            rec.step,
+            b,
+        )
         assert tuple(frame.get_facecolor()) == (viz.CACHED if b in v.cached else (0, 0, 0, 0))
         if b in v.owners:
             fill = boxes[1]
@@ -260,45 +307,69 @@ def test_timeline_bars_cover_every_step_of_every_request(runs, name):
     res = runs[name]
     spans = drawn_spans(viz.request_timeline(res.requests, trace=res.trace).axes[0])
     for i, r in enumerate(res.requests):
-        ran = {rec.step: "prefill" if row.is_prefill else "decode"
-               for rec in res.trace for row in rec.rows if row.request_id == r.request_id}
-        expected = {s: ran.get(s, "waiting" if s < min(ran) else "paused")
-                    for s in range(max(r.arrival_step, 1), r.finish_step + 1)}
-        assert {s: phase for phase, a, b in spans[i] for s in range(a, b + 1)} == expected, r.request_id
+        ran = {
+            rec.step: "prefill" if row.is_prefill else "decode"
+            for rec in res.trace
+            for row in rec.rows
+            if row.request_id == r.request_id
+        }
+        expected = {
+            s: ran.get(s, "waiting" if s < min(ran) else "paused")
+            for s in range(max(r.arrival_step, 1), r.finish_step + 1)
+        }
+        assert {s: phase for phase, a, b in spans[i] for s in range(a, b + 1)} == expected, (
+            r.request_id
+        )
 
 
 def test_timeline_accepts_dicts_and_shows_waiting():
-    reqs = [dict(request_id="x", arrival_step=1, admitted_step=3, first_token_step=3, finish_step=6),
-            dict(request_id="y", arrival_step=2, admitted_step=2, first_token_step=4, finish_step=4)]
+    reqs = [
+        dict(request_id="x", arrival_step=1, admitted_step=3, first_token_step=3, finish_step=6),
+        dict(request_id="y", arrival_step=2, admitted_step=2, first_token_step=4, finish_step=4),
+    ]
     ax = viz.request_timeline(reqs).axes[0]
-    assert drawn_spans(ax) == {0: [("waiting", 1, 2), ("prefill", 3, 3), ("decode", 4, 6)],
-                               1: [("prefill", 2, 4)]}
+    assert drawn_spans(ax) == {
+        0: [("waiting", 1, 2), ("prefill", 3, 3), ("decode", 4, 6)],
+        1: [("prefill", 2, 4)],
+    }
     assert [t.get_text() for t in ax.get_yticklabels()] == ["x", "y"]
 
 
 def test_latency_distributions_one_panel_per_metric():
-    fig = viz.latency_distributions({"fifo": {"TTFT": [3, 1, 2], "TPOT": [1.0, 1.0]},
-                                     "sjf": {"TTFT": [1, 1, 9]}}, unit="steps")
+    fig = viz.latency_distributions(
+        {"fifo": {"TTFT": [3, 1, 2], "TPOT": [1.0, 1.0]}, "sjf": {"TTFT": [1, 1, 9]}}, unit="steps"
+    )
     assert [ax.get_title() for ax in fig.axes] == ["TTFT", "TPOT"]
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels[0].startswith("fifo (p50 2") and labels[1].startswith("sjf (p50 1")
     fifo, sjf = fig.axes[0].lines  # a CDF: sorted samples, climbing 1/n at each
-    assert list(fifo.get_xdata()) == [1, 1, 2, 3] and list(fifo.get_ydata()) == pytest.approx([0, 1 / 3, 2 / 3, 1])
+    assert list(fifo.get_xdata()) == [1, 1, 2, 3] and list(fifo.get_ydata()) == pytest.approx(
+        [0, 1 / 3, 2 / 3, 1]
+    )
     assert list(sjf.get_xdata()) == [1, 1, 1, 9] and len(fig.axes[1].lines) == 1
 
 
 def test_curves_and_bars():
     f = viz.curves([1, 2, 4], {"a": [1, 2, 3], "b": [1, 1, 1]}, "batch", "throughput", logx=True)
     ax = f.axes[0]
-    assert [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines] == [([1, 2, 4], [1, 2, 3]),
-                                                                                     ([1, 2, 4], [1, 1, 1])]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b"] and ax.get_xscale() == "log"
+    assert [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines] == [
+        ([1, 2, 4], [1, 2, 3]),
+        ([1, 2, 4], [1, 1, 1]),
+    ]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "a",
+        "b",
+    ] and ax.get_xscale() == "log"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
-    b = viz.bars({"x": {"static": 500, "continuous": 500}, "y": {"static": 2750, "continuous": 650}}, "steps")
+    b = viz.bars(
+        {"x": {"static": 500, "continuous": 500}, "y": {"static": 2750, "continuous": 650}}, "steps"
+    )
     ax = b.axes[0]
     assert [t.get_text() for t in ax.texts] == ["500", "2750", "500", "650"]
     assert [p.get_height() for p in ax.patches] == [500, 2750, 500, 650]  # series by series
-    assert [p.get_x() + p.get_width() / 2 for p in ax.patches] == pytest.approx([-0.2, 0.8, 0.2, 1.2])
+    assert [p.get_x() + p.get_width() / 2 for p in ax.patches] == pytest.approx(
+        [-0.2, 0.8, 0.2, 1.2]
+    )
     flat = viz.bars({"a": 3.5, "b": 1}, "KiB").axes[0]
     assert [p.get_height() for p in flat.patches] == [3.5, 1]
     assert [t.get_text() for t in flat.get_xticklabels()] == ["a", "b"]
@@ -370,21 +441,27 @@ def test_utilization_curves_counts_or_fractions(runs):
     counts = viz.utilization_curves({"r": t}, normalize=False).axes[0]
     assert list(counts.lines[0].get_ydata()) == [len(rec.rows) for rec in t]
     free = viz.utilization_curves({"r": t, "s": runs["swap"].trace}).axes[1]
-    assert [list(line.get_ydata()) for line in free.lines] == [[rec.num_free_blocks for rec in run]
-                                                               for run in (t, runs["swap"].trace)]
+    assert [list(line.get_ydata()) for line in free.lines] == [
+        [rec.num_free_blocks for rec in run] for run in (t, runs["swap"].trace)
+    ]
 
 
 def test_compare_zooms_every_panel(runs):
-    fig = viz.compare_slot_occupancy({"s": runs["static"].trace, "c": runs["continuous"].trace}, steps=(3, 7))
+    fig = viz.compare_slot_occupancy(
+        {"s": runs["static"].trace, "c": runs["continuous"].trace}, steps=(3, 7)
+    )
     panels = [ax for ax in fig.axes if ax.get_ylabel() == "slot"]
     assert len(panels) == 2 and all(ax.get_xlim() == (2.5, 7.5) for ax in panels)
     for ax, name in zip(panels, ("static", "continuous")):  # each panel is that run's own picture
         alone = viz.slot_occupancy(runs[name].trace).axes[0].images[0].get_array()
-        assert np.array_equal(ax.images[0].get_array(), alone) and ax.get_title().startswith(name[0])
+        assert np.array_equal(ax.images[0].get_array(), alone) and ax.get_title().startswith(
+            name[0]
+        )
 
 
 def drawn_blocks(ax):
-    """A fork_map panel read back: {kind: [(block id, first row, rows spanned), ...]} from its boxes and labels."""
+    """A fork_map panel read back: {kind: [(block id, first row, rows spanned), ...]} from its boxes
+    and labels."""
     kind_of = {to_hex(color): kind for kind, (color, _) in viz.KINDS.items()}
     label_at = {tuple(np.round(t.get_position(), 3)): t.get_text() for t in ax.texts}
     drawn = {}
@@ -392,7 +469,9 @@ def drawn_blocks(ax):
         x, y = box.get_xy()
         label = label_at[tuple(np.round((x + 0.5, y + box.get_height() / 2), 3))]
         block = int(label.split()[0].removeprefix("#"))
-        drawn.setdefault(kind_of[to_hex(box.get_facecolor())], []).append((block, y, box.get_height()))
+        drawn.setdefault(kind_of[to_hex(box.get_facecolor())], []).append(
+            (block, y, box.get_height())
+        )
     return drawn
 
 
@@ -404,43 +483,65 @@ def test_parallel_sampling_figure_draws_what_the_block_manager_did():
     rec = forked.trace[step - 1]
     fork_ax, separate_ax, bar_ax = figures.FIGURES["nb02_parallel_sampling"]().axes
     fork, sep = drawn_blocks(fork_ax), drawn_blocks(separate_ax)
-    # The scheduler's own copies: the first decode step copies the shared partial block for 7 of the 8 samples.
+    # The scheduler's own copies: the first decode step copies the shared partial block for 7 of the
+    # 8 samples.
     made = [c for step_copies in copies.values() for c in step_copies]
     assert len(made) == 7 and copies[2] == made and len({src for src, _ in made}) == 1
     (src,) = {src for src, _ in made}
     table = rec.block_tables["0"]
     assert sorted(fork) == ["copied", "decode", "in place", "shared"]
-    assert fork["shared"] == [(b, 0, 8) for b in table[:12]]  # each full prompt block once, across all 8 rows
+    # each full prompt block once, across all 8 rows
+    assert fork["shared"] == [(b, 0, 8) for b in table[:12]]
     assert sorted(b for b, *_ in fork["copied"]) == sorted(dst for _, dst in made)
     assert [b for b, *_ in fork["in place"]] == [src]  # the last writer kept the original
     assert len(fork["decode"]) == 8 and all(h == 1 for *_, h in fork["decode"] + fork["copied"])
-    assert sorted(sep) == ["decode", "private"] and len(sep["private"]) == 104 and len(sep["decode"]) == 8
-    # Every block drawn once, and as many as the block manager counted as used in that step: 28 against 112.
+    assert (
+        sorted(sep) == ["decode", "private"]
+        and len(sep["private"]) == 104
+        and len(sep["decode"]) == 8
+    )
+    # Every block drawn once, and as many as the block manager counted as used in that step: 28
+    # against 112.
     for ax_blocks, run, used in ((fork, forked, 28), (sep, separate, 112)):
         ids = [b for boxes in ax_blocks.values() for b, *_ in boxes]
-        assert len(ids) == len(set(ids)) == run.trace.num_blocks - run.trace[step - 1].num_free_blocks == used
+        assert (
+            len(ids)
+            == len(set(ids))
+            == run.trace.num_blocks - run.trace[step - 1].num_free_blocks
+            == used
+        )
     heights = {}
     for bar in bar_ax.patches:  # stacked: per kind, the forked bar then the separate one
         heights.setdefault(to_hex(bar.get_facecolor()), []).append(bar.get_height())
     assert {kind: heights[to_hex(c)] for kind, (c, _) in viz.KINDS.items()} == {
-        "shared": [12, 0], "private": [0, 104], "copied": [7, 0], "in place": [1, 0], "decode": [8, 8]}
+        "shared": [12, 0],
+        "private": [0, 104],
+        "copied": [7, 0],
+        "in place": [1, 0],
+        "decode": [8, 8],
+    }
 
 
 def test_a_prompt_that_fills_its_blocks_forks_without_copies():
     from minicb.viz import figures_blocks
 
-    forked, separate, copies = figures_blocks.parallel_sampling_runs(n=4, prompt_len=192, output_len=4)
-    assert not any(copies.values())  # position 192 opens a new block for every sample: nothing to copy
+    forked, separate, copies = figures_blocks.parallel_sampling_runs(
+        n=4, prompt_len=192, output_len=4
+    )
+    # position 192 opens a new block for every sample: nothing to copy
+    assert not any(copies.values())
     assert viz.count_kinds(viz.block_kinds(forked.trace, 2, 192)) == dict(
-        shared=12, private=0, copied=0, **{"in place": 0}, decode=4)
+        shared=12, private=0, copied=0, **{"in place": 0}, decode=4
+    )
     assert viz.count_kinds(viz.block_kinds(separate.trace, 2, 192)) == dict(
-        shared=0, private=48, copied=0, **{"in place": 0}, decode=4)
+        shared=0, private=48, copied=0, **{"in place": 0}, decode=4
+    )
 
 
 def engine_core_protocol() -> tuple[dict[str, str], set[str]]:
     """From minicb/serve/engine_core.py's own code: {kind: the process that sends it} (the API side
-    through RemoteEngine._send(kind, ...), the core through conn.send((kind, ...))), and the kinds the
-    core's loop handles (`kind == "..."` in run_engine_core and _handle)."""
+    through RemoteEngine._send(kind, ...), the core through conn.send((kind, ...))), and the kinds
+    the core's loop handles (`kind == "..."` in run_engine_core and _handle)."""
     path = Path(viz.__file__).parents[1] / "serve" / "engine_core.py"
     tree = ast.parse(path.read_text())
     sent, handled = {}, set()
@@ -449,13 +550,22 @@ def engine_core_protocol() -> tuple[dict[str, str], set[str]]:
             first = node.args[0]
             if node.func.attr == "_send" and isinstance(first, ast.Constant):
                 sent[first.value] = "api"
-            elif (node.func.attr == "send" and getattr(node.func.value, "id", None) == "conn"
-                  and isinstance(first, ast.Tuple) and isinstance(first.elts[0], ast.Constant)):
+            elif (
+                node.func.attr == "send"
+                and getattr(node.func.value, "id", None) == "conn"
+                and isinstance(first, ast.Tuple)
+                and isinstance(first.elts[0], ast.Constant)
+            ):
                 sent[first.elts[0].value] = "core"
     for fn in tree.body:
         if isinstance(fn, ast.FunctionDef) and fn.name in ("run_engine_core", "_handle"):
-            handled |= {c.comparators[0].value for c in ast.walk(fn) if isinstance(c, ast.Compare)
-                        and getattr(c.left, "id", None) == "kind" and isinstance(c.ops[0], ast.Eq)}
+            handled |= {
+                c.comparators[0].value
+                for c in ast.walk(fn)
+                if isinstance(c, ast.Compare)
+                and getattr(c.left, "id", None) == "kind"
+                and isinstance(c.ops[0], ast.Eq)
+            }
     return sent, handled
 
 
@@ -467,8 +577,9 @@ def test_engine_core_figure_draws_the_real_protocol_between_the_right_processes(
     boxes = {p.get_gid(): p for p in ax.patches if p.get_gid()}
 
     def inside(box, x, y=None):  # on the edge counts
-        return (box.get_x() - 1e-9 <= x <= box.get_x() + box.get_width() + 1e-9
-                and (y is None or box.get_y() <= y <= box.get_y() + box.get_height()))
+        return box.get_x() - 1e-9 <= x <= box.get_x() + box.get_width() + 1e-9 and (
+            y is None or box.get_y() <= y <= box.get_y() + box.get_height()
+        )
 
     def side_of(x, y=None):
         """The process whose box holds x (and y, when given), or None."""
@@ -476,9 +587,14 @@ def test_engine_core_figure_draws_the_real_protocol_between_the_right_processes(
         return found[0] if len(found) == 1 else None
 
     api, core = boxes["process:api"], boxes["process:core"]
-    assert api.get_x() + api.get_width() < core.get_x()  # two boxes, side by side, the pipe between them
+    # two boxes, side by side, the pipe between them
+    assert api.get_x() + api.get_width() < core.get_x()
     # Every message: an arrow from its sender's box to the other box, as the code sends it.
-    arrows = {t.get_gid().split(":", 1)[1]: t for t in ax.texts if (t.get_gid() or "").startswith("message:")}
+    arrows = {
+        t.get_gid().split(":", 1)[1]: t
+        for t in ax.texts
+        if (t.get_gid() or "").startswith("message:")
+    }
     drawn = {}
     for kind, arrow in arrows.items():
         (tail_x, tail_y), (head_x, head_y) = arrow.xyann, arrow.xy
@@ -487,14 +603,23 @@ def test_engine_core_figure_draws_the_real_protocol_between_the_right_processes(
         drawn[kind] = sender
     sent, handled = engine_core_protocol()
     assert drawn == sent == {kind: sender for kind, sender, _ in processes.MESSAGES}
-    assert sorted(drawn) == sorted(["add", "abort", "stop", "shutdown", "ready", "step", "stats", "error"])
-    assert handled == {k for k, s in sent.items() if s == "api"}  # the core handles every kind sent to it
-    assert len({a.xy[1] for a in arrows.values()}) == len(arrows)  # no two arrows drawn over each other
+    assert sorted(drawn) == sorted(
+        ["add", "abort", "stop", "shutdown", "ready", "step", "stats", "error"]
+    )
+    # the core handles every kind sent to it
+    assert handled == {k for k, s in sent.items() if s == "api"}
+    # no two arrows drawn over each other
+    assert len({a.xy[1] for a in arrows.values()}) == len(arrows)
     labels = {t.get_gid(): t for t in ax.texts if t.get_gid()}
     for kind, arrow in arrows.items():  # its name sits on its arrow, in the pipe
         x, y = labels[f"label:{kind}"].get_position()
-        assert side_of(x) is None and 0 <= y - arrow.xy[1] < 0.3 and labels[f"label:{kind}"].get_text() == kind
-    # Every part inside its own process's box and its own part box, top to bottom in the listed order.
+        assert (
+            side_of(x) is None
+            and 0 <= y - arrow.xy[1] < 0.3
+            and labels[f"label:{kind}"].get_text() == kind
+        )
+    # Every part inside its own process's box and its own part box, top to bottom in the listed
+    # order.
     for side, parts in (("api", processes.API_SIDE), ("core", processes.CORE_SIDE)):
         ys = []
         for name, _ in parts:
@@ -503,17 +628,23 @@ def test_engine_core_figure_draws_the_real_protocol_between_the_right_processes(
             assert inside(boxes[f"box:{side}:{name}"], x, y)
             ys.append(y)
         assert ys == sorted(ys, reverse=True)
-    # The parts named as code exist in minicb (Engine.add_samples -> `def add_samples`, Scheduler -> `class Scheduler`).
+    # The parts named as code exist in minicb (Engine.add_samples -> `def add_samples`, Scheduler ->
+    # `class Scheduler`).
     source = "\n".join(p.read_text() for p in Path(viz.__file__).parents[1].rglob("*.py"))
     for name, _ in processes.API_SIDE + processes.CORE_SIDE:
         for word in name.replace("+", " ").split():
             last = word.split(".")[-1]
-            if (word[0].isupper() or "_" in word) and word != "FastAPI":  # FastAPI: the web framework
+            if (
+                word[0].isupper() or "_" in word
+            ) and word != "FastAPI":  # FastAPI: the web framework
                 assert f"class {last}" in source or f"def {last}(" in source, word
     # With pids, each box names its process.
     titled = figures.FIGURES["nb10_engine_core"](api_pid=11, core_pid=22).axes[0].texts
     titles = {t.get_gid(): t.get_text() for t in titled if (t.get_gid() or "").startswith("title:")}
-    assert titles == {"title:api": "API-server process (pid 11)", "title:core": "engine-core process (pid 22)"}
+    assert titles == {
+        "title:api": "API-server process (pid 11)",
+        "title:core": "engine-core process (pid 22)",
+    }
 
 
 def test_every_registered_figure_draws(tmp_path):
@@ -528,7 +659,7 @@ def test_every_registered_figure_draws(tmp_path):
 
 
 def test_figures_count_kv_bytes_from_the_config():
-    from minicb.engine import DEFAULT_KV_CACHE_BYTES
+    from minicb.worker.memory import DEFAULT_KV_CACHE_BYTES
 
     smollm2 = figures.CONFIGS["SmolLM2-135M"]  # 30 layers, 3 KV heads of 576 / 9 = 64, float32
     assert figures.kv_bytes(smollm2, "float32") == 2 * 30 * 3 * 64 * 4 == 46080
@@ -548,12 +679,26 @@ def test_viz_modules_import_no_cycle_and_no_private_names():
     imports = {}
     for path in package.glob("*.py"):
         tree = ast.parse(path.read_text())
-        imports[path.stem] = {node.module or a.name for node in ast.walk(tree)  # `from .x import y` -> x
-                              if isinstance(node, ast.ImportFrom) and node.level == 1 for a in node.names}
-        reached = [a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names
-                   if a.name.startswith("_")]
-        reached += [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-                    and node.attr.startswith("_") and not node.attr.startswith("__")]
+        imports[path.stem] = {
+            node.module or a.name
+            for node in ast.walk(tree)  # `from .x import y` -> x
+            if isinstance(node, ast.ImportFrom) and node.level == 1
+            for a in node.names
+        }
+        reached = [
+            a.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            for a in node.names
+            if a.name.startswith("_")
+        ]
+        reached += [
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ]
         assert reached == [], (path.name, reached)
 
     def reaches(start, seen):
@@ -567,7 +712,7 @@ def test_viz_modules_import_no_cycle_and_no_private_names():
 
 
 def test_the_width_cost_figure_uses_the_engines_width_buckets():
-    from minicb.cuda_graph import width_buckets
     from minicb.viz.cuda_graphs import _powers
+    from minicb.worker.cuda_graph import width_buckets
 
     assert all(_powers(n) == width_buckets(n) for n in range(1, 300))

@@ -4,11 +4,11 @@ with a word-level tokenizer and chat template (float64, so the outputs are exact
 
 import pytest
 import torch
+from reference import add_word_tokenizer
 
 from minicb import LLM, SamplingParams
-from minicb.loader import load_model, save_tiny_model
+from minicb.model_executor.loader import load_model, save_tiny_model
 from minicb.outputs import CompletionOutput, RequestOutput
-from reference import add_word_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,9 @@ def make(loaded, **config):
 def test_generate_returns_vllm_shaped_outputs(loaded):
     llm = make(loaded)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(["w10 w11 w12", {"prompt_token_ids": [20, 21]}, {"prompt": "w30"}], params, use_tqdm=False)
+    outs = llm.generate(
+        ["w10 w11 w12", {"prompt_token_ids": [20, 21]}, {"prompt": "w30"}], params, use_tqdm=False
+    )
     assert [type(o) for o in outs] == [RequestOutput] * 3
     first = outs[0]
     assert first.prompt == "w10 w11 w12" and first.prompt_token_ids == [10, 11, 12]
@@ -33,7 +35,11 @@ def test_generate_returns_vllm_shaped_outputs(loaded):
     assert first.finished and first.prompt_logprobs is None
     (sample,) = first.outputs
     assert isinstance(sample, CompletionOutput) and sample.index == 0
-    assert len(sample.token_ids) == 5 and sample.finish_reason == "length" and sample.stop_reason is None
+    assert (
+        len(sample.token_ids) == 5
+        and sample.finish_reason == "length"
+        and sample.stop_reason is None
+    )
     assert sample.text == llm.get_tokenizer().decode(sample.token_ids, skip_special_tokens=True)
     assert sample.cumulative_logprob is None and sample.logprobs is None  # not requested
     m = first.metrics
@@ -52,8 +58,11 @@ def test_enforce_eager_is_accepted_as_in_vllm(loaded):
 
 def test_outputs_are_snapshots(loaded):
     llm = make(loaded)
-    seen = list(llm.stream([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
-    assert [len(o.outputs[0].token_ids) for o in seen] == [1, 2, 3, 4]  # earlier outputs did not grow
+    seen = list(
+        llm.stream([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    )
+    # earlier outputs did not grow
+    assert [len(o.outputs[0].token_ids) for o in seen] == [1, 2, 3, 4]
     assert seen[0].metrics.finish_time is None and seen[-1].metrics.finish_time is not None
     assert [o.finished for o in seen] == [False, False, False, True]
 
@@ -79,46 +88,67 @@ def test_chat_one_conversation_or_many(loaded):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     conv = [{"role": "user", "content": "w40 w41"}]
     one = llm.chat(conv, params, use_tqdm=False)
-    many = llm.chat([conv, [{"role": "system", "content": "w50"}, {"role": "user", "content": "w51"}]], params,
-                    use_tqdm=False)
+    many = llm.chat(
+        [conv, [{"role": "system", "content": "w50"}, {"role": "user", "content": "w51"}]],
+        params,
+        use_tqdm=False,
+    )
     assert len(one) == 1 and len(many) == 2
     assert one[0].outputs[0].token_ids == many[0].outputs[0].token_ids
-    expected = llm.get_tokenizer().apply_chat_template(conv, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False)
+    expected = llm.get_tokenizer().apply_chat_template(
+        conv, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert one[0].prompt_token_ids == list(expected)
 
 
 def test_stop_reason_names_the_users_stop_token(loaded):
     llm = make(loaded)
-    free = llm.generate([[9, 10, 11]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids
+    free = (
+        llm.generate(
+            [[9, 10, 11]],
+            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     stop = free[2]
-    out = llm.generate([[9, 10, 11]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                                                     stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [[9, 10, 11]],
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.token_ids == free[:free.index(stop) + 1]
+    assert out.token_ids == free[: free.index(stop) + 1]
 
 
 def test_stop_strings_are_found_in_the_text_and_cut(loaded):
     # vLLM's semantics: the text ends before the stop string (or after it, with
-    # include_stop_str_in_output), finish_reason is "stop", stop_reason is the string; the tokens run
-    # to the one that completed it. A stop string may span tokens.
-    from minicb.detokenizer import text_delta
+    # include_stop_str_in_output), finish_reason is "stop", stop_reason is the string; the tokens
+    # run to the one that completed it. A stop string may span tokens.
+    from minicb.engine.detokenizer import text_delta
 
     llm = make(loaded)
     greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
     free = llm.generate([[9, 10, 11]], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
     words = free.text.split()
     k = next(i for i in range(2, len(words)) if words[i] not in words[:i])  # a word not seen before
-    for stop, cut_at in ((words[k], k), (" ".join(words[k - 1:k + 1]), k - 1)):  # one token, then two
-        out = llm.generate([[9, 10, 11]], SamplingParams(**greedy, stop=[stop, "never-there"]),
-                           use_tqdm=False)[0].outputs[0]
+    for stop, cut_at in (
+        (words[k], k),
+        (" ".join(words[k - 1 : k + 1]), k - 1),
+    ):  # one token, then two
+        out = llm.generate(
+            [[9, 10, 11]], SamplingParams(**greedy, stop=[stop, "never-there"]), use_tqdm=False
+        )[0].outputs[0]
         assert out.finish_reason == "stop" and out.stop_reason == stop
-        assert out.text == free.text[:free.text.index(stop)] and stop not in out.text
-        assert out.token_ids == free.token_ids[:k + 1]
-        kept = llm.generate([[9, 10, 11]], SamplingParams(**greedy, stop=stop, include_stop_str_in_output=True),
-                            use_tqdm=False)[0].outputs[0]
-        assert kept.text == free.text[:free.text.index(stop) + len(stop)]
+        assert out.text == free.text[: free.text.index(stop)] and stop not in out.text
+        assert out.token_ids == free.token_ids[: k + 1]
+        kept = llm.generate(
+            [[9, 10, 11]],
+            SamplingParams(**greedy, stop=stop, include_stop_str_in_output=True),
+            use_tqdm=False,
+        )[0].outputs[0]
+        assert kept.text == free.text[: free.text.index(stop) + len(stop)]
         # Streamed, the text only ever grows into the final text: nothing shown (a piece of the stop
         # string, say) is taken back later.
         sent = ""
@@ -134,12 +164,19 @@ def test_min_tokens_defers_stop_strings_too(loaded):
     greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
     free = llm.generate([[9, 10, 11]], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
     first = free.text.split()[0]
-    early = llm.generate([[9, 10, 11]], SamplingParams(**greedy, stop=[first]), use_tqdm=False)[0].outputs[0]
+    early = llm.generate([[9, 10, 11]], SamplingParams(**greedy, stop=[first]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert early.text == "" and len(early.token_ids) == 1
-    held = llm.generate([[9, 10, 11]], SamplingParams(**greedy, stop=[first], min_tokens=3),
-                        use_tqdm=False)[0].outputs[0]
+    held = llm.generate(
+        [[9, 10, 11]], SamplingParams(**greedy, stop=[first], min_tokens=3), use_tqdm=False
+    )[0].outputs[0]
     later = [i for i, w in enumerate(free.text.split()) if w == first and i >= 3]
-    assert held.token_ids == free.token_ids[:later[0] + 1] if later else held.token_ids == free.token_ids
+    assert (
+        held.token_ids == free.token_ids[: later[0] + 1]
+        if later
+        else held.token_ids == free.token_ids
+    )
     assert held.text.startswith(first)
 
 

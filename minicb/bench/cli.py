@@ -1,26 +1,55 @@
-"""`python -m minicb bench --workload w1|w2|w3|spec|all`: run the workloads defined in minicb/bench/__init__.py."""
-
+"""`python -m minicb bench --workload w1|w2|w3|spec|all`: run the workloads defined in
+minicb/bench/__init__.py."""
 
 import json
 
 from .w3 import W3_SIZES, w3_table
 
+
 def add_arguments(parser) -> None:
     """Options of `python -m minicb bench`."""
-    parser.add_argument("--workload", choices=["w1", "w2", "w3", "spec", "all"], default="w3",
-                        help="w1: CPU chat side by side; w2: GPU offline (needs CUDA); w3: scheduler overhead; "
-                             "spec: speculative decoding on and off, on C1 (copy-heavy) and W1")
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(W3_SIZES),
-                        help="W3: numbers of running requests (default: 64 128 256 512)")
+    parser.add_argument(
+        "--workload",
+        choices=["w1", "w2", "w3", "spec", "all"],
+        default="w3",
+        help="w1: CPU chat side by side; w2: GPU offline (needs CUDA); w3: scheduler overhead; "
+        "spec: speculative decoding on and off, on C1 (copy-heavy) and W1",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=list(W3_SIZES),
+        help="W3: numbers of running requests (default: 64 128 256 512)",
+    )
     parser.add_argument("--steps", type=int, default=200, help="W3: timed steps per size")
-    parser.add_argument("--competitors", nargs="+", default=None,
-                        help="W1: a subset of hf_static hf_continuous minicb_static minicb_continuous_16 minicb_continuous")
-    parser.add_argument("--cooldown", type=float, default=20.0,
-                        help="W1: idle seconds before each competitor after the first, so that none runs on a "
-                             "machine still slowed by the previous one (default 20)")
-    parser.add_argument("--model", default=None, help="W2: model dir or hub id (default Qwen3-0.6B from the HF cache)")
-    parser.add_argument("--figures-dir", default="figures", help="W1: where the comparison figure goes")
-    parser.add_argument("--repeats", type=int, default=2, help="spec: runs of each system, alternating (default 2)")
+    parser.add_argument(
+        "--competitors",
+        nargs="+",
+        default=None,
+        help=(
+            "W1: a subset of hf_static hf_continuous minicb_static minicb_continuous_16 "
+            "minicb_continuous"
+        ),
+    )
+    parser.add_argument(
+        "--cooldown",
+        type=float,
+        default=20.0,
+        help="W1: idle seconds before each competitor after the first, so that none runs on a "
+        "machine still slowed by the previous one (default 20)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="W2: model dir or hub id (default Qwen3-0.6B from the HF cache)",
+    )
+    parser.add_argument(
+        "--figures-dir", default="figures", help="W1: where the comparison figure goes"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="spec: runs of each system, alternating (default 2)"
+    )
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
 
 
@@ -28,14 +57,19 @@ def _w2(args) -> dict:
     import torch
 
     if not torch.cuda.is_available():
-        print("W2 skipped: it needs a CUDA GPU and torch.cuda.is_available() is False on this machine")
+        print(
+            "W2 skipped: it needs a CUDA GPU and torch.cuda.is_available() is False on this machine"
+        )
         return {"skipped": "no CUDA GPU"}
     from .w2 import run_w2
 
     rows = [run_w2(args.model, use_cuda_graph=graphs) for graphs in (False, True)]
     for r in rows:
         print(r)
-    print(f"CUDA graphs speed-up on W2: {rows[1]['output_tokens_per_s'] / rows[0]['output_tokens_per_s']:.2f}x")
+    print(
+        "CUDA graphs speed-up on W2: "
+        f"{rows[1]['output_tokens_per_s'] / rows[0]['output_tokens_per_s']:.2f}x"
+    )
     return {"w2": rows}
 
 

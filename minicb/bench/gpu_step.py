@@ -2,15 +2,16 @@
 where the GPU time of a whole eager step goes (torch.profiler), for each decode attention backend.
 
     python -m minicb.bench.w2 --workload attention    # gather vs flash pages vs one read of the K/V
-    python -m minicb.bench.w2 --workload profile      # GPU time split: gather / attention / matmul / other
+    python -m minicb.bench.w2 --workload profile      # GPU time split: gather / attention / matmul
+    / other
 """
 
 import random
 
 import torch
 
-from ..llm import LLM
-from .w2 import _decode_batch, _load, free_gpu, require_cuda
+from ..engine.llm import LLM
+from .gpu import _decode_batch, _load, free_gpu, require_cuda
 
 
 def _time_gpu_ms(fn, iters: int = 20) -> float:
@@ -25,13 +26,25 @@ def _time_gpu_ms(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
-def attention_benchmark(batch: int = 256, min_ctx: int = 100, max_ctx: int = 2048, block_sizes=(16, 64, 128, 256, 512),
-                        heads: int = 16, kv_heads: int = 8, head_dim: int = 128, seed: int = 0) -> list[dict]:
-    """One layer's decode attention at W2's shape (contexts uniform in min_ctx..max_ctx), bfloat16: the
-    padded gather (attention.decode_attention), flash pages (paged_flash.py), and the floor: one read of
-    the K/V the rows really hold (a sum over a tensor of that size)."""
-    from ..attention import decode_attention
-    from ..paged_flash import flash_pages_attention, page_pairs, pairs_attention_reference
+def attention_benchmark(
+    batch: int = 256,
+    min_ctx: int = 100,
+    max_ctx: int = 2048,
+    block_sizes=(16, 64, 128, 256, 512),
+    heads: int = 16,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    seed: int = 0,
+) -> list[dict]:
+    """One layer's decode attention at W2's shape (contexts uniform in min_ctx..max_ctx), bfloat16:
+    the padded gather (attention.decode_attention), flash pages (paged_flash.py), and the floor: one
+    read of the K/V the rows really hold (a sum over a tensor of that size)."""
+    from ..model_executor.attention import decode_attention
+    from ..model_executor.paged_flash import (
+        flash_pages_attention,
+        page_pairs,
+        pairs_attention_reference,
+    )
 
     require_cuda("attention_benchmark")
     rng, dev, bf16 = random.Random(seed), "cuda", torch.bfloat16
@@ -50,35 +63,66 @@ def attention_benchmark(batch: int = 256, min_ctx: int = 100, max_ctx: int = 204
         tables = [[ids.pop() for _ in range(n)] + [num_blocks] * (width - n) for n in blocks]
         tables, ctx = torch.tensor(tables, device=dev), torch.tensor(lens, device=dev)
         q = torch.randn(batch, heads, head_dim, device=dev, dtype=bf16)
-        scale = head_dim ** -0.5
+        scale = head_dim**-0.5
         pairs = page_pairs(tables, ctx, bs, (num_blocks + 1) * bs)
         gather_ms = _time_gpu_ms(lambda: decode_attention(q, k, v, tables, ctx, scale))
         pages_ms = _time_gpu_ms(lambda: flash_pages_attention(q, k, v, pairs, scale))
         q_pairs = q[:, None].expand(batch, width, heads, head_dim).reshape(-1, heads, head_dim)
-        kernel_ms = _time_gpu_ms(lambda: pairs.kernel(q_pairs, k.view(-1, kv_heads, head_dim),
-                                                      v.view(-1, kv_heads, head_dim), pairs, bs, scale))
+        kernel_ms = _time_gpu_ms(
+            lambda: pairs.kernel(
+                q_pairs,
+                k.view(-1, kv_heads, head_dim),
+                v.view(-1, kv_heads, head_dim),
+                pairs,
+                bs,
+                scale,
+            )
+        )
         ref = decode_attention(q, k, v, tables, ctx, scale).float()
         err = (flash_pages_attention(q, k, v, pairs, scale).float() - ref).abs().max().item()
-        small = page_pairs(tables[:4], ctx[:4], bs, (num_blocks + 1) * bs)  # the CUDA kernel against the reference
+        # the CUDA kernel against the reference
+        small = page_pairs(tables[:4], ctx[:4], bs, (num_blocks + 1) * bs)
         small.kernel = pairs_attention_reference
-        ref_err = (flash_pages_attention(q[:4], k, v, small, scale).float() - ref[:4]).abs().max().item()
-        rows.append({"block_size": bs, "pairs": batch * width, "kv_gb": kv_bytes / 1e9, "floor_ms": floor,
-                     "gather_ms": gather_ms, "pages_ms": pages_ms, "kernel_only_ms": kernel_ms,
-                     "gather_x_floor": gather_ms / floor,
-                     "pages_x_floor": pages_ms / floor, "max_abs_err_vs_gather": err,
-                     "max_abs_err_reference_kernel": ref_err})
-        del k, v
+        ref_err = (
+            (flash_pages_attention(q[:4], k, v, small, scale).float() - ref[:4]).abs().max().item()
+        )
+        rows.append(
+            {
+                "block_size": bs,
+                "pairs": batch * width,
+                "kv_gb": kv_bytes / 1e9,
+                "floor_ms": floor,
+                "gather_ms": gather_ms,
+                "pages_ms": pages_ms,
+                "kernel_only_ms": kernel_ms,
+                "gather_x_floor": gather_ms / floor,
+                "pages_x_floor": pages_ms / floor,
+                "max_abs_err_vs_gather": err,
+                "max_abs_err_reference_kernel": ref_err,
+            }
+        )
+        k = v = None  # free this block size's cache (the closures above hold it)
     return rows
 
 
-KERNEL_KINDS = (("gather", ("index_select", "indexselect", "gather")),
-                ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
-                ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "splitk")))
+KERNEL_KINDS = (
+    ("gather", ("index_select", "indexselect", "gather")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "splitk")),
+)
 
 
-def profile_decode_step(model_path: str | None = None, *, dtype: str = "bfloat16", batch: int = 256,
-                        context_len: int = 1024, loaded=None, **config) -> dict:
-    """GPU time of one eager decode step (batch rows at context_len), split by kernel kind (torch.profiler)."""
+def profile_decode_step(
+    model_path: str | None = None,
+    *,
+    dtype: str = "bfloat16",
+    batch: int = 256,
+    context_len: int = 1024,
+    loaded=None,
+    **config,
+) -> dict:
+    """GPU time of one eager decode step (batch rows at context_len), split by kernel kind
+    (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     require_cuda("profile_decode_step")
@@ -86,8 +130,17 @@ def profile_decode_step(model_path: str | None = None, *, dtype: str = "bfloat16
 
     loaded = _load(model_path, loaded, dtype)
     bs = EngineConfig(device="cuda", block_size=config.pop("block_size", None)).block_size
-    llm = LLM.from_loaded(loaded, device="cuda", dtype=dtype, use_cuda_graph=False, max_num_seqs=batch,
-                          block_size=bs, num_blocks=batch * -(-context_len // bs), record_trace=False, **config)
+    llm = LLM.from_loaded(
+        loaded,
+        device="cuda",
+        dtype=dtype,
+        use_cuda_graph=False,
+        max_num_seqs=batch,
+        block_size=bs,
+        num_blocks=batch * -(-context_len // bs),
+        record_trace=False,
+        **config,
+    )
     runner = llm.engine.runner
     out = _decode_batch(batch, context_len, runner.config.block_size, loaded.vocab_size)
     for _ in range(3):
@@ -100,15 +153,25 @@ def profile_decode_step(model_path: str | None = None, *, dtype: str = "bfloat16
     split = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-        if not us or e.key.startswith(("aten::", "cuda")) and "Kernel" not in e.key and "kernel" not in e.key:
+        if (
+            not us
+            or e.key.startswith(("aten::", "cuda"))
+            and "Kernel" not in e.key
+            and "kernel" not in e.key
+        ):
             continue
         name = e.key.lower()
         kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")
         split[kind] += us
     total = sum(split.values())
-    result = {"backend": runner.attention_backend, "block_size": runner.config.block_size, "batch": batch,
-              "context_len": context_len, "gpu_ms_per_step": total / 5 / 1e3,
-              "share": {k: v / total for k, v in split.items()}}
+    result = {
+        "backend": runner.attention_backend,
+        "block_size": runner.config.block_size,
+        "batch": batch,
+        "context_len": context_len,
+        "gpu_ms_per_step": total / 5 / 1e3,
+        "share": {k: v / total for k, v in split.items()},
+    }
     del llm, runner
     free_gpu()
     return result

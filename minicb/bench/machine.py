@@ -1,10 +1,12 @@
 """What the machine is, measured: its CPU's name and vector units, and peak memory while code runs.
-(The matmul peaks of each CPU kernel are in minicb/cpu_kernels.py.)"""
+(The matmul peaks of each CPU kernel are in minicb/model_executor/cpu_kernels.py.)"""
 
 import os
 import threading
 
-THREADS_ENV = "MINICB_NUM_THREADS"  # force torch's thread count in every notebook (CI runs learners with 1)
+THREADS_ENV = (
+    "MINICB_NUM_THREADS"  # force torch's thread count in every notebook (CI runs learners with 1)
+)
 
 
 def pin_torch_threads(wanted: int | None = None) -> int:
@@ -31,7 +33,7 @@ def pin_torch_threads(wanted: int | None = None) -> int:
 
 def cpu_model() -> str:
     """The CPU's name and vector units (AVX2 / AVX-512 / AMX), from /proc/cpuinfo (Linux)."""
-    from ..cpu_kernels import cpu_name
+    from ..model_executor.cpu_kernels import cpu_name
 
     return cpu_name()
 

@@ -3,16 +3,18 @@
 64 chat requests arrive at once; their output lengths are log-normal (mean ~61, longest 256)
 and EOS is ignored so every system produces exactly the same number of tokens. The competitors
 run one after another in the same process on the same prompts:
-  1. transformers `generate` in static batches of 16 (left padding; a batch runs to its longest member)
+  1. transformers `generate` in static batches of 16 (left padding; a batch runs to its longest
+     member)
   2. transformers' own continuous batching (`init_continuous_batching`, per-request max_new_tokens)
   3. minicb, batching="static", 16 slots
-  4. minicb, batching="continuous", 16 slots: the same batch size, so 4 vs 3 is the scheduler's own gain
-  5. minicb, batching="continuous", the default 64 slots: 5 vs 4 is the batch size paging makes room for.
-     (With all 64 requests arriving at once and 64 slots, nobody waits for a slot: continuous and
-     static batching would run the very same schedule. Comparing 5 with 3 mixes both effects.)
+  4. minicb, batching="continuous", 16 slots: the same batch size, so 4 vs 3 is the scheduler's own
+     gain
+  5. minicb, batching="continuous", the default 64 slots: 5 vs 4 is the batch size paging makes room
+     for. (With all 64 requests arriving at once and 64 slots, nobody waits for a slot: continuous
+     and static batching would run the very same schedule. Comparing 5 with 3 mixes both effects.)
 Throughput is output tokens / wall time from first submission to last completion. The roofline
-compares what was achieved with the machine's measured float32 GEMM speed, for 2 x params FLOPs
-per generated token.
+compares what was achieved with the machine's measured float32 GEMM speed, for 2 x params FLOPs per
+generated token.
 """
 
 import os
@@ -22,21 +24,40 @@ import time
 
 from tqdm.auto import tqdm
 
-from ..cpu_kernels import gemm_peaks
-from .floor import kernel_floor, memory_bandwidth, time_linear_passes, workload_floor, workload_passes
-from ..llm import chat_token_ids
+from ..engine.llm import chat_token_ids
 from ..metrics import mean_gap, percentile, tpot
+from ..model_executor.cpu_kernels import gemm_peaks
 from ..sampling_params import SamplingParams
+from .floor import (
+    kernel_floor,
+    memory_bandwidth,
+    time_linear_passes,
+    workload_floor,
+    workload_passes,
+)
 from .machine import PeakRSS, cpu_model
 
 # ---------------------------------------------------------------------------------------------- W1
-W1_TOPICS = ["the sea", "gravity", "bread", "Rome", "a cat", "rain", "chess", "music", "trains", "the moon",
-             "coffee", "volcanoes"]
+W1_TOPICS = [
+    "the sea",
+    "gravity",
+    "bread",
+    "Rome",
+    "a cat",
+    "rain",
+    "chess",
+    "music",
+    "trains",
+    "the moon",
+    "coffee",
+    "volcanoes",
+]
 
 
 def w1_workload(tokenizer, num_requests: int = 64) -> tuple[list[list[int]], list[int]]:
-    """The W1 prompts (chat-templated token ids) and output lengths, built as the workload's definition
-    says: one random.Random(0); per request a topic, then repeats, then a log-normal output length."""
+    """The W1 prompts (chat-templated token ids) and output lengths, built as the workload's
+    definition says: one random.Random(0); per request a topic, then repeats, then a log-normal
+    output length."""
     rng = random.Random(0)
     prompts, outs = [], []
     for _ in range(num_requests):
@@ -49,17 +70,29 @@ def w1_workload(tokenizer, num_requests: int = 64) -> tuple[list[list[int]], lis
 
 def _result(name, wall, outs, ttfts, tpots, peak_mib, **extra) -> dict:
     ntok = sum(outs)
-    return dict(name=name, output_tokens=ntok, wall_s=wall, throughput=ntok / wall,
-                ttft_p50=percentile(ttfts, 50), ttft_p99=percentile(ttfts, 99),
-                tpot_p50=percentile(tpots, 50), tpot_p99=percentile(tpots, 99), peak_mem_mib=peak_mib, **extra)
+    return dict(
+        name=name,
+        output_tokens=ntok,
+        wall_s=wall,
+        throughput=ntok / wall,
+        ttft_p50=percentile(ttfts, 50),
+        ttft_p99=percentile(ttfts, 99),
+        tpot_p50=percentile(tpots, 50),
+        tpot_p99=percentile(tpots, 99),
+        peak_mem_mib=peak_mib,
+        **extra,
+    )
 
 
 def run_hf_static(model, prompts, outs, pad_id: int, batch_size: int = 16) -> dict:
-    """transformers generate in static batches with left padding: each batch runs to its longest member."""
+    """transformers generate in static batches with left padding: each batch runs to its longest
+    member."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    class StepClock(StoppingCriteria):  # called once per generated token of the batch: a timestamp per step
+    class StepClock(
+        StoppingCriteria
+    ):  # called once per generated token of the batch: a timestamp per step
         def __init__(self):
             self.times = []
 
@@ -72,15 +105,22 @@ def run_hf_static(model, prompts, outs, pad_id: int, batch_size: int = 16) -> di
     with PeakRSS() as mem:
         t0 = time.perf_counter()
         for i in range(0, len(prompts), batch_size):
-            ps, ns = prompts[i:i + batch_size], outs[i:i + batch_size]
+            ps, ns = prompts[i : i + batch_size], outs[i : i + batch_size]
             width = max(len(p) for p in ps)
             ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in ps])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
             clock = StepClock()
             with torch.no_grad():
-                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns),
-                               do_sample=False, pad_token_id=pad_id, eos_token_id=None,
-                               stopping_criteria=StoppingCriteriaList([clock]))
+                model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=max(ns),
+                    min_new_tokens=max(ns),
+                    do_sample=False,
+                    pad_token_id=pad_id,
+                    eos_token_id=None,
+                    stopping_criteria=StoppingCriteriaList([clock]),
+                )
             for n in ns:  # request i's tokens exist at steps 1..n of its batch
                 ttfts.append(clock.times[0] - t0)
                 if n > 1:
@@ -88,14 +128,19 @@ def run_hf_static(model, prompts, outs, pad_id: int, batch_size: int = 16) -> di
             bar.update(len(ps))
         wall = time.perf_counter() - t0
     bar.close()
-    return _result(f"transformers generate (static, batch {batch_size})", wall, outs, ttfts, tpots, mem.mib)
+    return _result(
+        f"transformers generate (static, batch {batch_size})", wall, outs, ttfts, tpots, mem.mib
+    )
 
 
 def run_hf_continuous(model, prompts, outs) -> dict:
-    """transformers' own continuous batching (init_continuous_batching), per-request max_new_tokens."""
+    """transformers' own continuous batching (init_continuous_batching), per-request
+    max_new_tokens."""
     from transformers import GenerationConfig
 
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max(outs), eos_token_id=-1, pad_token_id=0)
+    gen = GenerationConfig(
+        do_sample=False, max_new_tokens=max(outs), eos_token_id=-1, pad_token_id=0
+    )
     manager = model.init_continuous_batching(generation_config=gen)
     manager.start()
     results = {}
@@ -103,8 +148,10 @@ def run_hf_continuous(model, prompts, outs) -> dict:
     try:
         with PeakRSS() as mem:
             t0 = time.perf_counter()
-            ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1, record_timestamps=True)
-                   for p, n in zip(prompts, outs)]
+            ids = [
+                manager.add_request(p, max_new_tokens=n, eos_token_id=-1, record_timestamps=True)
+                for p, n in zip(prompts, outs)
+            ]
             while len(results) < len(ids):
                 r = manager.get_result(timeout=600)
                 if r is None:
@@ -120,7 +167,9 @@ def run_hf_continuous(model, prompts, outs) -> dict:
     for rid, n in zip(ids, outs):
         r = results[rid]
         if len(r.generated_tokens) != n:
-            raise RuntimeError(f"transformers CB produced {len(r.generated_tokens)} tokens for a {n}-token request")
+            raise RuntimeError(
+                f"transformers CB produced {len(r.generated_tokens)} tokens for a {n}-token request"
+            )
         ts = r.timestamps or []
         if ts:
             ttfts.append(ts[0] - t0)
@@ -130,7 +179,7 @@ def run_hf_continuous(model, prompts, outs) -> dict:
 
 
 def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
-    from ..llm import LLM
+    from ..engine.llm import LLM
 
     llm = LLM.from_loaded(loaded, batching=batching, **config)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
@@ -143,20 +192,34 @@ def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
     tpots = [t for o in res if (t := tpot(o.metrics, len(o.outputs[0].token_ids))) is not None]
     trace = llm.engine.trace
     slots = llm.engine.config.max_num_seqs
-    return _result(f"minicb {batching} ({slots} slots)", wall, outs, ttfts, tpots, mem.mib,
-                   slot_utilization=trace.slot_utilization(), steps=len(trace), trace=trace,
-                   cpu_kernels=llm.engine.cpu_kernels)
+    return _result(
+        f"minicb {batching} ({slots} slots)",
+        wall,
+        outs,
+        ttfts,
+        tpots,
+        mem.mib,
+        slot_utilization=trace.slot_utilization(),
+        steps=len(trace),
+        trace=trace,
+        cpu_kernels=llm.engine.cpu_kernels,
+    )
 
 
 def decode_step_roofline(loaded, batch: int = 64, context: int = 100, steps: int = 10) -> dict:
-    """Time one decode step at `batch` (contexts of `context` tokens): achieved FLOP/s for 2 x params
-    per token, the model's arithmetic for one generated token."""
-    from ..llm import LLM
+    """Time one decode step at `batch` (contexts of `context` tokens): achieved FLOP/s for 2 x
+    params per token, the model's arithmetic for one generated token."""
+    from ..engine.llm import LLM
 
     llm = LLM.from_loaded(loaded, max_num_seqs=batch, max_num_batched_tokens=max(256, batch))
     eng = llm.engine
-    ids = [eng.add_request([(7 * i + j) % 1000 + 10 for j in range(context)],
-                           SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)) for i in range(batch)]
+    ids = [
+        eng.add_request(
+            [(7 * i + j) % 1000 + 10 for j in range(context)],
+            SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True),
+        )
+        for i in range(batch)
+    ]
     while not eng.trace.steps or eng.trace[-1].num_prefill_rows:
         eng.step()  # prefill everyone (the early ones start decoding meanwhile)
     times = []
@@ -174,22 +237,34 @@ def decode_step_roofline(loaded, batch: int = 64, context: int = 100, steps: int
 
 def linears_as_minicb_runs_them(loaded, mode="auto"):
     """The model in float32 on the CPU with each linear on the kernel the engine runs it on for this
-    `prepack_cpu_weights` mode (cpu_kernels.py; "auto" reads the choice the engine cached on this machine)."""
+    `prepack_cpu_weights` mode (cpu_kernels.py; "auto" reads the choice the engine cached on this
+    machine)."""
     import torch
 
-    from ..cpu_kernels import prepare_cpu_linears
-    from ..loader import cache_dir
-    from ..model import CausalLM
+    from ..model_executor.cpu_kernels import prepare_cpu_linears
+    from ..model_executor.loader import cache_dir
+    from ..model_executor.model import CausalLM
 
     model = CausalLM.from_hf(loaded.hf_config, loaded.state_dict, torch.float32, "cpu")
     return prepare_cpu_linears(model, mode, cache_dir() / "cpu_kernels.json")[0]
 
 
-COMPETITORS = ("hf_static", "hf_continuous", "minicb_static", "minicb_continuous_16", "minicb_continuous")
+COMPETITORS = (
+    "hf_static",
+    "hf_continuous",
+    "minicb_static",
+    "minicb_continuous_16",
+    "minicb_continuous",
+)
 
 
-def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 16, cooldown_s: float = 20.0,
-           **minicb_config) -> dict:
+def run_w1(
+    competitors=COMPETITORS,
+    num_requests: int = 64,
+    static_slots: int = 16,
+    cooldown_s: float = 20.0,
+    **minicb_config,
+) -> dict:
     """Run W1 for the chosen competitors in this process; returns every figure the table prints.
 
     `cooldown_s`: idle seconds before each competitor after the first (and before the roofline). A
@@ -199,7 +274,7 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
     """
     import torch
 
-    from ..loader import DEFAULT_MODEL, cache_dir, load_model
+    from ..model_executor.loader import DEFAULT_MODEL, cache_dir, load_model
 
     torch.set_num_threads(os.cpu_count())
     loaded = load_model(None)
@@ -208,16 +283,22 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
     if any(c.startswith("hf_") for c in competitors):
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(cache_dir() / DEFAULT_MODEL, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(
+            cache_dir() / DEFAULT_MODEL, dtype=torch.float32
+        ).eval()
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
     runs = {
         "hf_static": lambda: run_hf_static(hf, prompts, outs, pad, batch_size=static_slots),
         "hf_continuous": lambda: run_hf_continuous(hf, prompts, outs),
-        "minicb_static": lambda: run_minicb(loaded, prompts, outs, "static", max_num_seqs=static_slots,
-                                            **minicb_config),
-        "minicb_continuous_16": lambda: run_minicb(loaded, prompts, outs, "continuous", max_num_seqs=static_slots,
-                                                   **minicb_config),
-        "minicb_continuous": lambda: run_minicb(loaded, prompts, outs, "continuous", **minicb_config),
+        "minicb_static": lambda: run_minicb(
+            loaded, prompts, outs, "static", max_num_seqs=static_slots, **minicb_config
+        ),
+        "minicb_continuous_16": lambda: run_minicb(
+            loaded, prompts, outs, "continuous", max_num_seqs=static_slots, **minicb_config
+        ),
+        "minicb_continuous": lambda: run_minicb(
+            loaded, prompts, outs, "continuous", **minicb_config
+        ),
     }
     results = []
     for name in COMPETITORS:  # always in this order, whatever order they were asked in
@@ -232,15 +313,24 @@ def run_w1(competitors=COMPETITORS, num_requests: int = 64, static_slots: int = 
     peak = max(peaks.values())
     floor = workload_floor(loaded, [len(p) for p in prompts], outs, peak * 1e9, memory_bandwidth())
     linears = linears_as_minicb_runs_them(loaded, minicb_config.get("prepack_cpu_weights", "auto"))
-    floor["kernels"] = kernel_floor(workload_passes([len(p) for p in prompts], outs), time_linear_passes(linears),
-                                    max(outs))
+    floor["kernels"] = kernel_floor(
+        workload_passes([len(p) for p in prompts], outs), time_linear_passes(linears), max(outs)
+    )
     flops_per_token = 2 * loaded.num_params
     for r in results:
         r["achieved_gflops"] = r["throughput"] * flops_per_token / 1e9
         r["roofline_fraction"] = r["achieved_gflops"] / peak
         r["floor_fraction"] = floor["floor_s"] / r["wall_s"]
-    return dict(machine=f"{os.cpu_count()} cores of {cpu_model()}, torch {torch.__version__}, float32", floor=floor,
-                cpu_kernels=cpu_kernels,
-                num_requests=num_requests, output_tokens=sum(outs), prompt_tokens=sum(map(len, prompts)),
-                gemm_peak_gflops=peak, gemm_peaks=peaks, flops_per_token=flops_per_token, results=results,
-                decode_step=decode_step_roofline(loaded, batch=64) | {"gemm_peak_gflops": peak})
+    return dict(
+        machine=f"{os.cpu_count()} cores of {cpu_model()}, torch {torch.__version__}, float32",
+        floor=floor,
+        cpu_kernels=cpu_kernels,
+        num_requests=num_requests,
+        output_tokens=sum(outs),
+        prompt_tokens=sum(map(len, prompts)),
+        gemm_peak_gflops=peak,
+        gemm_peaks=peaks,
+        flops_per_token=flops_per_token,
+        results=results,
+        decode_step=decode_step_roofline(loaded, batch=64) | {"gemm_peak_gflops": peak},
+    )

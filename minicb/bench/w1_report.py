@@ -1,59 +1,93 @@
-"""W1's report: the table `python -m minicb bench --workload w1` prints, and its figure (figures/bench_w1.png)."""
+"""W1's report: the table `python -m minicb bench --workload w1` prints, and its figure
+(figures/bench_w1.png)."""
 
-from ..cpu_kernels import describe
+from ..model_executor.cpu_kernels import describe
 
 
 def print_w1(report: dict, print_fn=print) -> None:
     ms = lambda x: f"{1000 * x:7.0f}"
-    print_fn(f"\nW1 on {report['machine']}: {report['num_requests']} requests, {report['prompt_tokens']} prompt "
-             f"and {report['output_tokens']} output tokens")
-    print_fn(f"{'system':<42}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>9}{'p99':>8}{'TPOT p50':>9}{'p99':>8}"
-             f"{'mem MiB':>8}{'slots':>7}{'of floor':>9}")
+    print_fn(
+        f"\nW1 on {report['machine']}: {report['num_requests']} requests, "
+        f"{report['prompt_tokens']} prompt and {report['output_tokens']} output tokens"
+    )
+    print_fn(
+        f"{'system':<42}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>9}{'p99':>8}{'TPOT p50':>9}{'p99':>8}"
+        f"{'mem MiB':>8}{'slots':>7}{'of floor':>9}"
+    )
     for r in report["results"]:
         util = f"{r['slot_utilization']:.0%}" if "slot_utilization" in r else "-"
-        print_fn(f"{r['name']:<42}{r['throughput']:8.1f}{r['wall_s']:8.1f}{ms(r['ttft_p50'])}ms{ms(r['ttft_p99'])}"
-                 f"{ms(r['tpot_p50'])}ms{ms(r['tpot_p99'])}{r['peak_mem_mib']:8.0f}{util:>7}"
-                 f"{r['floor_fraction']:9.0%}")
+        print_fn(
+            f"{r['name']:<42}{r['throughput']:8.1f}{r['wall_s']:8.1f}{ms(r['ttft_p50'])}ms{ms(r['ttft_p99'])}"
+            f"{ms(r['tpot_p50'])}ms{ms(r['tpot_p99'])}{r['peak_mem_mib']:8.0f}{util:>7}"
+            f"{r['floor_fraction']:9.0%}"
+        )
     f = report["floor"]
-    print_fn(f"the machine's floor for W1: {f['floor_s']:.1f} s ({f['binding']} binds): compute "
-             f"{f['flops']['total'] / 1e12:.2f} TFLOP / {f['gemm_peak_flops'] / 1e9:.0f} GFLOP/s = {f['compute_s']:.1f} s; "
-             f"sequential {f['longest_output']} passes x {f['weight_bytes'] / 1e6:.0f} MB of weights / "
-             f"{f['bandwidth'] / 1e9:.1f} GB/s = {f['sequential_s']:.1f} s. 'of floor' = floor / wall time")
+    print_fn(
+        f"the machine's floor for W1: {f['floor_s']:.1f} s ({f['binding']} binds): compute "
+        f"{f['flops']['total'] / 1e12:.2f} TFLOP / {f['gemm_peak_flops'] / 1e9:.0f} GFLOP/s = "
+        f"{f['compute_s']:.1f} s; sequential {f['longest_output']} passes x "
+        f"{f['weight_bytes'] / 1e6:.0f} MB of weights / {f['bandwidth'] / 1e9:.1f} GB/s = "
+        f"{f['sequential_s']:.1f} s. 'of floor' = floor / wall time"
+    )
     if "kernels" in f:
         k = f["kernels"]
-        print_fn(f"the kernels' floor: W1's {k['passes']} forward passes batched as fully as it allows (prompts in "
-                 f"passes of 512 tokens, then every unfinished request in every decode step), their linears "
-                 f"alone on the kernels minicb calls, timed here: {k['layers_s']:.1f} s of layers + "
-                 f"{k['lm_head_s']:.1f} s of LM head = {k['kernel_s']:.1f} s. Batched so, these kernels "
-                 f"allow at most {f['floor_s'] / k['kernel_s']:.0%} of the floor")
+        print_fn(
+            f"the kernels' floor: W1's {k['passes']} forward passes batched as fully as it allows "
+            "(prompts in passes of 512 tokens, then every unfinished request in every decode "
+            "step), their linears alone on the kernels minicb calls, timed here: "
+            f"{k['layers_s']:.1f} s of layers + {k['lm_head_s']:.1f} s of LM head = "
+            f"{k['kernel_s']:.1f} s. Batched so, these kernels allow at most "
+            f"{f['floor_s'] / k['kernel_s']:.0%} of the floor"
+        )
         o = k["other"]
-        print_fn(f"  the same rows over the {o['chain']} passes the longest request needs, arranged otherwise "
-                 f"(estimates): one row in each but the first, the rest in full passes {o['tail_s']:.1f} s; "
-                 f"spread evenly {o['even_s']:.1f} s: at most "
-                 f"{f['floor_s'] / min(o['tail_s'], o['even_s']):.0%} of the floor either way")
+        print_fn(
+            f"  the same rows over the {o['chain']} passes the longest request needs, arranged "
+            "otherwise (estimates): one row in each but the first, the rest in full passes "
+            f"{o['tail_s']:.1f} s; spread evenly {o['even_s']:.1f} s: at most "
+            f"{f['floor_s'] / min(o['tail_s'], o['even_s']):.0%} of the floor either way"
+        )
     if report.get("cpu_kernels"):
-        print_fn(f"minicb's linears (chosen by timing on this machine): {describe(report['cpu_kernels'])}")
+        print_fn(
+            "minicb's linears (chosen by timing on this machine): "
+            f"{describe(report['cpu_kernels'])}"
+        )
     by_key = {r.get("key"): r for r in report["results"]}
-    for a, b, what in (("minicb_continuous_16", "minicb_static", "continuous vs static batching, both 16 slots"),
-                       ("minicb_continuous", "minicb_continuous_16", "64 slots vs 16, both continuous"),
-                       ("minicb_continuous", "hf_continuous", "minicb vs transformers, continuous batching"),
-                       ("minicb_continuous", "hf_static", "minicb vs transformers' static generate")):
+    for a, b, what in (
+        ("minicb_continuous_16", "minicb_static", "continuous vs static batching, both 16 slots"),
+        ("minicb_continuous", "minicb_continuous_16", "64 slots vs 16, both continuous"),
+        ("minicb_continuous", "hf_continuous", "minicb vs transformers, continuous batching"),
+        ("minicb_continuous", "hf_static", "minicb vs transformers' static generate"),
+    ):
         if a in by_key and b in by_key:
-            # against another system: the most any engine calling these kernels could reach, its wall over
-            # the kernels' floor
-            most = (f" (batched as fully, these kernels allow at most {by_key[b]['wall_s'] / f['kernels']['kernel_s']:.1f}x)"
-                    if b.startswith("hf_") and "kernels" in f else "")
+            # against another system: the most any engine calling these kernels could reach, its
+            # wall over the kernels' floor
+            most = (
+                " (batched as fully, these kernels allow at most "
+                f"{by_key[b]['wall_s'] / f['kernels']['kernel_s']:.1f}x)"
+                if b.startswith("hf_") and "kernels" in f
+                else ""
+            )
             print_fn(f"  {what}: {by_key[a]['throughput'] / by_key[b]['throughput']:.1f}x{most}")
     kernels = ", ".join(f"{k} {v:.0f}" for k, v in report.get("gemm_peaks", {}).items())
-    print_fn(f"roofline: GEMM peak {report['gemm_peak_gflops']:.0f} GFLOP/s (float32, the best of: {kernels}), "
-             f"{report['flops_per_token'] / 1e6:.0f} MFLOP per token (2 x params)")
+    print_fn(
+        f"roofline: GEMM peak {report['gemm_peak_gflops']:.0f} GFLOP/s (float32, the best of: "
+        f"{kernels}), {report['flops_per_token'] / 1e6:.0f} MFLOP per token (2 x params)"
+    )
     for r in report["results"]:
-        print_fn(f"  {r['name']:<42} {r['achieved_gflops']:6.1f} GFLOP/s = {r['roofline_fraction']:.0%} of peak")
+        print_fn(
+            f"  {r['name']:<42} {r['achieved_gflops']:6.1f} GFLOP/s = "
+            f"{r['roofline_fraction']:.0%} of peak"
+        )
     d = report["decode_step"]
-    print_fn(f"  decode step at batch {d['batch']} (context {d['context']}): {d['step_ms']:.0f} ms, "
-             f"{d['gflops']:.0f} GFLOP/s = {d['gflops'] / d['gemm_peak_gflops']:.0%} of the GEMM peak"
-             + "".join(f" ({d['gflops'] / v:.0%} of {k})" for k, v in report.get("gemm_peaks", {}).items()
-                       if v < d["gemm_peak_gflops"]))
+    print_fn(
+        f"  decode step at batch {d['batch']} (context {d['context']}): {d['step_ms']:.0f} ms, "
+        f"{d['gflops']:.0f} GFLOP/s = {d['gflops'] / d['gemm_peak_gflops']:.0%} of the GEMM peak"
+        + "".join(
+            f" ({d['gflops'] / v:.0%} of {k})"
+            for k, v in report.get("gemm_peaks", {}).items()
+            if v < d["gemm_peak_gflops"]
+        )
+    )
 
 
 def w1_figure(report: dict):
@@ -63,28 +97,60 @@ def w1_figure(report: dict):
     rs = report["results"]
     names = [r["name"].replace(" (", "\n(") for r in rs]
     y = list(range(len(rs)))
-    colors = ["#9e9e9e", "#616161", "#64b5f6", "#1e88e5", "#0d47a1"][-len(rs):]
+    colors = ["#9e9e9e", "#616161", "#64b5f6", "#1e88e5", "#0d47a1"][-len(rs) :]
     fig, axes = plt.subplots(1, 3, figsize=(14, 0.9 * len(rs) + 1.8), sharey=True)
     axes[0].barh(y, [r["throughput"] for r in rs], color=colors)
     for i, r in enumerate(rs):
         of_floor = f" ({r['floor_fraction']:.0%} of floor)" if "floor_fraction" in r else ""
-        axes[0].text(r["throughput"], i, f" {r['throughput']:.0f}{of_floor}", va="center", fontsize=9)
+        axes[0].text(
+            r["throughput"], i, f" {r['throughput']:.0f}{of_floor}", va="center", fontsize=9
+        )
     if "floor" in report:  # the fastest any system could run W1 on this machine
         bound = report["output_tokens"] / report["floor"]["floor_s"]
         axes[0].axvline(bound, color="#c62828", linestyle="--")
-        axes[0].text(bound, len(rs) - 0.5, f"the machine's floor\n{bound:.0f} tok/s ", ha="right", va="top",
-                     color="#c62828", fontsize=8)
-    if "kernels" in report.get("floor", {}):  # the same, with the linears on the kernels minicb calls
+        axes[0].text(
+            bound,
+            len(rs) - 0.5,
+            f"the machine's floor\n{bound:.0f} tok/s ",
+            ha="right",
+            va="top",
+            color="#c62828",
+            fontsize=8,
+        )
+    if "kernels" in report.get(
+        "floor", {}
+    ):  # the same, with the linears on the kernels minicb calls
         bound = report["output_tokens"] / report["floor"]["kernels"]["kernel_s"]
         axes[0].axvline(bound, color="#ef6c00", linestyle=":")
-        axes[0].text(bound, -0.5, f"the kernels' floor\n{bound:.0f} tok/s ", ha="right", va="bottom",
-                     color="#ef6c00", fontsize=8)
+        axes[0].text(
+            bound,
+            -0.5,
+            f"the kernels' floor\n{bound:.0f} tok/s ",
+            ha="right",
+            va="bottom",
+            color="#ef6c00",
+            fontsize=8,
+        )
     axes[0].set_xlabel("output tokens / s (higher is better)")
     axes[0].set_yticks(y, names)
-    for ax, key, label, scale in ((axes[1], "ttft", "TTFT (s)", 1), (axes[2], "tpot", "TPOT (ms)", 1000)):
-        ax.barh([i + 0.2 for i in y], [scale * r[f"{key}_p50"] for r in rs], height=0.4, color=colors)
-        ax.barh([i - 0.2 for i in y], [scale * r[f"{key}_p99"] for r in rs], height=0.4, color=colors, alpha=0.45)
+    for ax, key, label, scale in (
+        (axes[1], "ttft", "TTFT (s)", 1),
+        (axes[2], "tpot", "TPOT (ms)", 1000),
+    ):
+        ax.barh(
+            [i + 0.2 for i in y], [scale * r[f"{key}_p50"] for r in rs], height=0.4, color=colors
+        )
+        ax.barh(
+            [i - 0.2 for i in y],
+            [scale * r[f"{key}_p99"] for r in rs],
+            height=0.4,
+            color=colors,
+            alpha=0.45,
+        )
         ax.set_xlabel(f"{label}: p50 dark, p99 light (lower is better)")
-    fig.suptitle(f"W1: {report['num_requests']} mixed-length chat requests, SmolLM2-135M, {report['machine']}")
+    fig.suptitle(
+        f"W1: {report['num_requests']} mixed-length chat requests, SmolLM2-135M, "
+        f"{report['machine']}"
+    )
     fig.tight_layout()
     return fig

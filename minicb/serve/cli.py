@@ -1,4 +1,5 @@
-"""Running the server: `python -m minicb serve` (its options), and ServerThread for tests and notebooks."""
+"""Running the server: `python -m minicb serve` (its options), and ServerThread for tests and
+notebooks."""
 
 import argparse
 import json
@@ -13,14 +14,18 @@ from .validation import DEFAULT_MAX_REQUEST_BYTES
 
 
 class ServerThread:
-    """uvicorn in a background thread on a free loopback port: `with ServerThread(app) as url: ...`."""
+    """uvicorn in a background thread on a free loopback port: `with ServerThread(app) as url:
+    ...`."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        # Let uvicorn bind (port 0: any free port). A socket made by socket.create_server has proto 0,
-        # and asyncio then skips TCP_NODELAY: every response would wait ~40 ms for a delayed ACK.
+        # Let uvicorn bind (port 0: any free port). A socket made by socket.create_server has proto
+        # 0, and asyncio then skips TCP_NODELAY: every response would wait ~40 ms for a delayed ACK.
         self.host = host
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, name="minicb-uvicorn", daemon=True)
 
     def __enter__(self) -> str:
@@ -39,31 +44,77 @@ class ServerThread:
 
 
 def add_engine_arguments(parser, max_num_seqs: int = 32) -> None:
-    """The engine's knobs (EngineConfig fields, vLLM's flag names), shared by `serve` and the load test."""
-    from ..config import BATCHING_MODES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES
+    """The engine's knobs (EngineConfig fields, vLLM's flag names), shared by `serve` and the load
+    test."""
+    from ..config import (
+        BATCHING_MODES,
+        DTYPES,
+        KV_CACHE_DTYPES,
+        PREEMPTION_MODES,
+        SCHEDULING_POLICIES,
+    )
 
-    parser.add_argument("--model", default=None, help="model dir or hub id (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model dir or hub id (default: embedded SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests running at once (batch slots)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=max_num_seqs,
+        help="requests running at once (batch slots)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=256, help="token budget of one step"
+    )
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-bytes)")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget (default 512 MiB)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="what the KV cache stores: auto (the model's dtype) or fp8 (twice bfloat16's blocks)")
-    parser.add_argument("--calculate-kv-scales", action="store_true", help="fp8: scales from the first forward's amax")
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks (default: from --kv-cache-memory-bytes)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget (default 512 MiB)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores: auto (the model's dtype) or fp8 (twice bfloat16's blocks)",
+    )
+    parser.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="fp8: scales from the first forward's amax",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="split every layer over N processes")
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
-                        help="fcfs, priority (a request's lowest 'priority' value first) or sjf")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="split every layer over N processes"
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="fcfs, priority (a request's lowest 'priority' value first) or sjf",
+    )
     parser.add_argument("--batching", default="continuous", choices=BATCHING_MODES)
     parser.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
     parser.add_argument("--use-cuda-graph", default="auto", choices=["auto", "true", "false"])
-    parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
-                        help='vLLM\'s dict, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                             '"prompt_lookup_max": 3}\'')
+    parser.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s dict, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 3}\'',
+    )
 
 
 def engine_config(args, model: str | None = None):
@@ -71,44 +122,85 @@ def engine_config(args, model: str | None = None):
     from ..config import EngineConfig
 
     graphs = {"auto": "auto", "true": True, "false": False}[args.use_cuda_graph]
-    return EngineConfig(model=model or args.model, dtype=args.dtype, device=args.device,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        block_size=args.block_size, num_blocks=args.num_blocks,
-                        kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype,
-                        calculate_kv_scales=args.calculate_kv_scales, tensor_parallel_size=args.tensor_parallel_size,
-                        max_model_len=args.max_model_len, scheduling_policy=args.scheduling_policy,
-                        batching=args.batching, preemption_mode=args.preemption_mode,
-                        enable_prefix_caching=args.enable_prefix_caching, use_cuda_graph=graphs,
-                        speculative_config=args.speculative_config)
+    return EngineConfig(
+        model=model or args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
+        batching=args.batching,
+        preemption_mode=args.preemption_mode,
+        enable_prefix_caching=args.enable_prefix_caching,
+        use_cuda_graph=graphs,
+        speculative_config=args.speculative_config,
+    )
 
 
 def add_arguments(parser) -> None:
     """Options of `python -m minicb serve`."""
     add_engine_arguments(parser)
-    parser.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the model's)")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    parser.add_argument(
+        "--served-model-name", default=None, help="name in /v1/models (default: the model's)"
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="interface to listen on (default: loopback only)"
+    )
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-waiting", type=int, default=64,
-                        help="requests held beyond max_num_seqs before new ones get 503 (default 64)")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help=f"larger request bodies get 413 before they are read (default {DEFAULT_MAX_REQUEST_BYTES})")
-    parser.add_argument("--trace-steps", type=int, default=1000, help="engine steps kept in the trace")
-    parser.add_argument("--engine-in-process", action="store_true",
-                        help="run the engine in the server's process (a thread) instead of an engine-core process")
-    parser.add_argument("--core-threads", type=int, default=None,
-                        help="torch threads of the engine-core process (default: one per CPU core); on a small "
-                             "CPU, one fewer leaves a core to the API process (HTTP, detokenization)")
-    parser.add_argument("--request-log", default=None, metavar="FILE",
-                        help="append one JSON line per finished request: the server's own times (received, "
-                             "engine arrival, first token, finish) and token counts, to set beside a client's")
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=64,
+        help="requests held beyond max_num_seqs before new ones get 503 (default 64)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=(
+            "larger request bodies get 413 before they are read "
+            f"(default {DEFAULT_MAX_REQUEST_BYTES})"
+        ),
+    )
+    parser.add_argument(
+        "--trace-steps", type=int, default=1000, help="engine steps kept in the trace"
+    )
+    parser.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine in the server's process (a thread) instead of an engine-core process",
+    )
+    parser.add_argument(
+        "--core-threads",
+        type=int,
+        default=None,
+        help="torch threads of the engine-core process (default: one per CPU core); on a small "
+        "CPU, one fewer leaves a core to the API process (HTTP, detokenization)",
+    )
+    parser.add_argument(
+        "--request-log",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per finished request: the server's own times (received, "
+        "engine arrival, first token, finish) and token counts, to set beside a client's",
+    )
 
 
 def main(args) -> None:
     if args.engine_in_process and args.core_threads is not None:
-        raise SystemExit("--core-threads sets the threads of the engine-core process; with --engine-in-process "
-                         "there is none (torch uses one thread per core in the server's process)")
+        raise SystemExit(
+            "--core-threads sets the threads of the engine-core process; with --engine-in-process "
+            "there is none (torch uses one thread per core in the server's process)"
+        )
     if args.engine_in_process:
-        from ..engine import Engine
+        from ..engine.llm_engine import Engine
 
         engine = Engine(engine_config(args))
     else:  # the default: the core schedules and steps in its own process, this one speaks HTTP
@@ -117,14 +209,24 @@ def main(args) -> None:
         if args.core_threads is not None and args.core_threads < 1:
             raise SystemExit(f"--core-threads must be at least 1, got {args.core_threads}")
         engine = RemoteEngine(engine_config(args), core_threads=args.core_threads)
-    app = build_app(AsyncEngine(engine, args.max_waiting, args.trace_steps, args.request_log,
-                                args.served_model_name), args.served_model_name,
-                    args.max_request_bytes)
+    app = build_app(
+        AsyncEngine(
+            engine, args.max_waiting, args.trace_steps, args.request_log, args.served_model_name
+        ),
+        args.served_model_name,
+        args.max_request_bytes,
+    )
     c = engine.config
-    where = "in this process" if args.engine_in_process else \
-        f"in its own process, {engine.core_threads} torch threads"
-    print(f"minicb: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1 "
-          f"({c.num_blocks} KV blocks of {c.block_size}, {c.max_num_seqs} slots, {c.scheduling_policy}, "
-          f"max_waiting={args.max_waiting}, engine core {where})",
-          flush=True)
+    where = (
+        "in this process"
+        if args.engine_in_process
+        else f"in its own process, {engine.core_threads} torch threads"
+    )
+    print(
+        f"minicb: serving {args.served_model_name or engine.model_name} on "
+        f"http://{args.host}:{args.port}/v1 ({c.num_blocks} KV blocks of {c.block_size}, "
+        f"{c.max_num_seqs} slots, {c.scheduling_policy}, max_waiting={args.max_waiting}, engine "
+        f"core {where})",
+        flush=True,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)

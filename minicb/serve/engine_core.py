@@ -19,23 +19,37 @@ import multiprocessing as mp
 import time
 
 from ..config import EngineConfig
-from ..input_processor import InputProcessor
-from ..output_processor import OutputProcessor
+from ..core.request import Request, RequestStatus
+from ..engine.input_processor import InputProcessor
+from ..engine.output_processor import OutputProcessor
 from ..outputs import RequestOutput
-from ..request import Request, RequestStatus
 from .metrics import engine_stats
 
-STEP_WAIT_S = 0.05  # step() waits this long for the core's next message, then lets the loop read its inbox
+STEP_WAIT_S = (
+    0.05  # step() waits this long for the core's next message, then lets the loop read its inbox
+)
 
 
 class RemoteEngine:
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0, core_threads: int | None = None):
-        """`core_threads`: torch's intra-op threads in the core (default: torch's own, one per core)."""
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no threads, locks or torch state inherited
+    def __init__(
+        self,
+        config: EngineConfig,
+        startup_timeout_s: float = 600.0,
+        core_threads: int | None = None,
+    ):
+        """`core_threads`: torch's intra-op threads in the core (default: torch's own, one per
+        core)."""
+        # a fresh interpreter: no threads, locks or torch state inherited
+        ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        # A daemonic process may start no children: with tensor parallelism the core starts its workers.
-        self.process = ctx.Process(target=run_engine_core, args=(child, config, core_threads), name="minicb-engine-core",
-                                   daemon=config.tensor_parallel_size == 1)
+        # A daemonic process may start no children: with tensor parallelism the core starts its
+        # workers.
+        self.process = ctx.Process(
+            target=run_engine_core,
+            args=(child, config, core_threads),
+            name="minicb-engine-core",
+            daemon=config.tensor_parallel_size == 1,
+        )
         self.process.start()
         child.close()  # the core holds its end; if it dies, recv() here raises EOFError
         if not self._conn.poll(startup_timeout_s):
@@ -44,26 +58,37 @@ class RemoteEngine:
         kind, info = self._conn.recv()
         if kind != "ready":
             raise RuntimeError(f"the engine core failed to start: {info}")
-        self.config, self.tokenizer, self.model_name = info["config"], info["tokenizer"], info["model_name"]
+        self.config, self.tokenizer, self.model_name = (
+            info["config"],
+            info["tokenizer"],
+            info["model_name"],
+        )
         self.core_threads = info["threads"]  # torch's intra-op threads in the core process
-        self.input_processor = InputProcessor(self.config, self.tokenizer, info["vocab_size"], info["eos_token_ids"],
-                                              self.model_name)
+        self.input_processor = InputProcessor(
+            self.config, self.tokenizer, info["vocab_size"], info["eos_token_ids"], self.model_name
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats, self.last_step_rows, self.last_step_preempted = info["stats"], 0, 0
         self.stepped = False  # did the last step() see a step of the core?
         self.dead = False  # set once step() has reported the core's death
-        self._finished_here: list[Request] = []  # aborted here: their last output comes with the next step
+        # aborted here: their last output comes with the next step
+        self._finished_here: list[Request] = []
         self._next_id = 0
 
     # ------------------------------------------------------------------ Engine's methods
     def tokenize(self, prompt) -> list[int]:
         return self.input_processor.tokenize(prompt)
 
-    def add_request(self, prompt, params=None, priority: int = 0, request_id: str | None = None) -> str:
-        """Check and make the request here (ValueError, nothing sent, if it can never run), then send it."""
+    def add_request(
+        self, prompt, params=None, priority: int = 0, request_id: str | None = None
+    ) -> str:
+        """Check and make the request here (ValueError, nothing sent, if it can never run), then
+        send it."""
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
-        samples = self.input_processor.make_request(prompt, params, priority, request_id, self.output_processor.owner)
+        samples = self.input_processor.make_request(
+            prompt, params, priority, request_id, self.output_processor.owner
+        )
         self._send("add", samples)
         self.output_processor.add_request(samples)
         return request_id
@@ -100,8 +125,9 @@ class RemoteEngine:
         return RuntimeError(f"the engine core process died (exit code {self.process.exitcode})")
 
     def step(self) -> list[RequestOutput]:
-        """The outputs of the core's next step, or of nothing new if it sent nothing within STEP_WAIT_S
-        (requests aborted here still get their last output). Raises RuntimeError if the core died."""
+        """The outputs of the core's next step, or of nothing new if it sent nothing within
+        STEP_WAIT_S (requests aborted here still get their last output). Raises RuntimeError if the
+        core died."""
         touched, finished = [], self._finished_here
         self._finished_here, self.stepped = [], False
         if self._conn.poll(STEP_WAIT_S):
@@ -114,7 +140,13 @@ class RemoteEngine:
             if kind == "stats":  # an abort freed blocks while the core had nothing to step
                 self.stats = payload
             else:
-                deltas, prompt_logprobs, self.stats, self.last_step_rows, self.last_step_preempted = payload
+                (
+                    deltas,
+                    prompt_logprobs,
+                    self.stats,
+                    self.last_step_rows,
+                    self.last_step_preempted,
+                ) = payload
                 self.stepped = True
                 self.output_processor.add_prompt_logprobs(prompt_logprobs)
                 for delta in deltas:
@@ -130,24 +162,41 @@ class RemoteEngine:
         if sample is None or sample.is_finished:  # aborted or stopped here already
             return
         sample.num_new_tokens = 0  # several when the core kept drafts (speculative decoding)
-        for i, (token, entry) in enumerate(zip(new_token_ids, logprobs or [None] * len(new_token_ids))):
+        for i, (token, entry) in enumerate(
+            zip(new_token_ids, logprobs or [None] * len(new_token_ids))
+        ):
             sample.token_ids.append(token)
             sample.num_new_tokens += 1
             sample.metrics.record_token(now)
             sample.metrics.first_token_time = sample.metrics.first_token_time or now
             last = i == len(new_token_ids) - 1
-            if last and status is not None:  # the core finished it with this token (a stop token wins, as there)
-                sample.status, sample.stop_reason, sample.error = RequestStatus(status), stop_reason, error
+            if (
+                last and status is not None
+            ):  # the core finished it with this token (a stop token wins, as there)
+                sample.status, sample.stop_reason, sample.error = (
+                    RequestStatus(status),
+                    stop_reason,
+                    error,
+                )
                 sample.metrics.finish_time = now
             stop_string = self.output_processor.add_token(sample, entry)
-            if stop_string is not None and not (last and sample.status == RequestStatus.FINISHED_STOPPED):
-                sample.status, sample.stop_reason, sample.metrics.finish_time = \
-                    RequestStatus.FINISHED_STOPPED, stop_string, now
+            if stop_string is not None and not (
+                last and sample.status == RequestStatus.FINISHED_STOPPED
+            ):
+                sample.status, sample.stop_reason, sample.metrics.finish_time = (
+                    RequestStatus.FINISHED_STOPPED,
+                    stop_string,
+                    now,
+                )
                 self._send("stop", sample_id)  # the core frees its blocks
                 break  # tokens past the stop string are dropped, as Engine._add_tokens drops them
         if not new_token_ids:
             if status is not None:
-                sample.status, sample.stop_reason, sample.error = RequestStatus(status), stop_reason, error
+                sample.status, sample.stop_reason, sample.error = (
+                    RequestStatus(status),
+                    stop_reason,
+                    error,
+                )
                 sample.metrics.finish_time = now
             finished.append(sample)
             return
@@ -164,25 +213,40 @@ class RemoteEngine:
         self.process.join(timeout_s)
         if self.process.is_alive():
             self.process.kill()
+            # reap it: is_alive() stays true until the killed process is waited for
+            self.process.join()
 
 
 # ---------------------------------------------------------------------- the core process
 def run_engine_core(conn, config: EngineConfig, threads: int | None = None) -> None:
     """The core's main loop: take every waiting message, step while there is work, send each step's
     deltas. Blocks on the pipe when idle. Exits when the API process closes its end or says so.
-    `threads` sets torch's intra-op threads in this process only (the API process needs a core too)."""
+    `threads` sets torch's intra-op threads in this process only (the API process needs a core
+    too)."""
     import torch
 
-    from ..engine import Engine  # imported here: the API process never loads torch's model code for it
+    # imported here: the API process never loads torch's model code for it
+    from ..engine.llm_engine import Engine
 
     try:
         if threads is not None:
             torch.set_num_threads(threads)
         engine = Engine(config)
         engine.output_processor = OutputProcessor(None)  # the API process detokenizes
-        conn.send(("ready", {"config": engine.config, "tokenizer": engine.tokenizer, "model_name": engine.model_name,
-                             "vocab_size": engine.vocab_size, "eos_token_ids": engine.eos_token_ids,
-                             "stats": engine_stats(engine), "threads": torch.get_num_threads()}))
+        conn.send(
+            (
+                "ready",
+                {
+                    "config": engine.config,
+                    "tokenizer": engine.tokenizer,
+                    "model_name": engine.model_name,
+                    "vocab_size": engine.vocab_size,
+                    "eos_token_ids": engine.eos_token_ids,
+                    "stats": engine_stats(engine),
+                    "threads": torch.get_num_threads(),
+                },
+            )
+        )
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -194,14 +258,30 @@ def run_engine_core(conn, config: EngineConfig, threads: int | None = None) -> N
                 if kind == "shutdown":
                     return
                 _handle(engine, kind, args)
-                if kind != "add" and not engine.has_unfinished_requests():  # nothing to step: say what changed
+                if (
+                    kind != "add" and not engine.has_unfinished_requests()
+                ):  # nothing to step: say what changed
                     conn.send(("stats", engine_stats(engine)))
             outputs = engine.step()
-            rec = engine.trace.steps[-1] if engine.config.record_trace and engine.trace.steps else None
+            rec = (
+                engine.trace.steps[-1]
+                if engine.config.record_trace and engine.trace.steps
+                else None
+            )
             rows = len(rec.rows) if rec else 0
             preempted = len(rec.preempted) + len(rec.swapped_out) if rec else 0
-            conn.send(("step", (_deltas(outputs), _new_prompt_logprobs(outputs, sent_prompt_logprobs),
-                                engine_stats(engine), rows, preempted)))
+            conn.send(
+                (
+                    "step",
+                    (
+                        _deltas(outputs),
+                        _new_prompt_logprobs(outputs, sent_prompt_logprobs),
+                        engine_stats(engine),
+                        rows,
+                        preempted,
+                    ),
+                )
+            )
     except (EOFError, BrokenPipeError, OSError):  # the API process is gone
         return
     except Exception as e:  # a bug in the loop: tell the API process, which fails what is in flight
@@ -224,15 +304,29 @@ def _handle(engine, kind: str, args) -> None:
 
 
 def _deltas(outputs: list[RequestOutput]) -> list[tuple]:
-    """(sample id, new token ids, finish reason or None, stop reason, error, their logprob entries, time)."""
+    """(sample id, new token ids, finish reason or None, stop reason, error, their logprob entries,
+    time)."""
     now, deltas = time.perf_counter(), []
     for out in outputs:
         for sample in out.outputs:
             if sample.new_token_ids or sample.finish_reason:
                 sid = out.request_id if sample.index == 0 else f"{sample.index}_{out.request_id}"
-                entries = sample.logprobs[-len(sample.new_token_ids):] if sample.logprobs and sample.new_token_ids else None
-                deltas.append((sid, sample.new_token_ids, sample.finish_reason, sample.stop_reason,
-                               out.error if sample.finish_reason == "error" else None, entries, now))
+                entries = (
+                    sample.logprobs[-len(sample.new_token_ids) :]
+                    if sample.logprobs and sample.new_token_ids
+                    else None
+                )
+                deltas.append(
+                    (
+                        sid,
+                        sample.new_token_ids,
+                        sample.finish_reason,
+                        sample.stop_reason,
+                        out.error if sample.finish_reason == "error" else None,
+                        entries,
+                        now,
+                    )
+                )
     return deltas
 
 

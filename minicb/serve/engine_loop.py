@@ -5,11 +5,13 @@ so exactly one thread, the *engine loop*, ever calls add_request / step / abort_
 handlers live in the asyncio event loop and talk to it through queues:
 
     handler --inbox (queue.Queue, thread-safe)--> engine loop          "add these", "abort those"
-    engine loop --loop.call_soon_threadsafe--> one asyncio.Queue per HTTP request    each RequestOutput
+    engine loop --loop.call_soon_threadsafe--> one asyncio.Queue per HTTP request    each
+    RequestOutput
 
 The engine is an Engine in this process (tests, notebooks, `serve --engine-in-process`) or, by
 default, a RemoteEngine whose core runs in its own process (engine_core.py): the loop below is the
-same for both, and with a RemoteEngine its step() waits for the core's next step instead of computing it.
+same for both, and with a RemoteEngine its step() waits for the core's next step instead of
+computing it.
 
 The engine loop drains its inbox between two steps, so a request that arrives while a step runs
 joins the batch in the very next step: continuous batching (Orca, Yu et al., OSDI 2022) as seen
@@ -29,7 +31,6 @@ import logging
 import queue
 import threading
 import time
-
 from typing import TYPE_CHECKING
 
 from ..sampling_params import SamplingParams
@@ -37,12 +38,14 @@ from .engine_core import RemoteEngine
 from .metrics import ServerMetrics, engine_stats, request_record
 
 if TYPE_CHECKING:  # the engine pulls in torch; this module is imported by the CLI's --help
-    from ..engine import Engine
+    from ..engine.llm_engine import Engine
 
 log = logging.getLogger("minicb.server")
 
+
 class QueueFullError(Exception):
-    """The server already holds max_num_seqs + max_waiting unfinished requests: come back later (HTTP 503)."""
+    """The server already holds max_num_seqs + max_waiting unfinished requests: come back later
+    (HTTP 503)."""
 
 
 class RequestStream:
@@ -54,12 +57,14 @@ class RequestStream:
 
     def __init__(self, async_engine: "AsyncEngine", stream_id: str, num_prompts: int):
         self.id = stream_id
-        self.request_ids = [f"{stream_id}-{i}" for i in range(num_prompts)]  # prompt i's engine request
+        # prompt i's engine request
+        self.request_ids = [f"{stream_id}-{i}" for i in range(num_prompts)]
         self.prompt_index = {rid: i for i, rid in enumerate(self.request_ids)}
         self.queue: asyncio.Queue = asyncio.Queue()  # RequestOutput, or an Exception from the loop
         self.unfinished = set(self.request_ids)
         self._async_engine = async_engine
-        self.received_at = time.perf_counter()  # handed to the engine loop (parsed and tokenized already)
+        # handed to the engine loop (parsed and tokenized already)
+        self.received_at = time.perf_counter()
 
     async def __aiter__(self):
         try:
@@ -71,7 +76,9 @@ class RequestStream:
                 for item in items:
                     if isinstance(item, Exception):
                         raise item
-                    newest[item.request_id] = item  # outputs are cumulative: the newest holds the older
+                    newest[item.request_id] = (
+                        item  # outputs are cumulative: the newest holds the older
+                    )
                     if item.finished:
                         self.unfinished.discard(item.request_id)
                 yield list(newest.values())
@@ -86,20 +93,29 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: "Engine", max_waiting: int = 64, trace_steps: int = 1000,
-                 request_log: str | None = None, served_model_name: str | None = None):
+    def __init__(
+        self,
+        engine: "Engine",
+        max_waiting: int = 64,
+        trace_steps: int = 1000,
+        request_log: str | None = None,
+        served_model_name: str | None = None,
+    ):
         if not isinstance(max_waiting, int) or max_waiting < 1:
             raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
         self.engine = engine
         self.max_waiting = max_waiting
         if not isinstance(engine, RemoteEngine):  # the core process keeps its own trace
-            engine.trace.max_steps = trace_steps  # a server runs for days: keep only the newest steps
+            engine.trace.max_steps = (
+                trace_steps  # a server runs for days: keep only the newest steps
+            )
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # touched by the engine loop only
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.metrics = ServerMetrics(served_model_name or engine.model_name)  # written by the loop, read by /metrics
+        # written by the loop, read by /metrics
+        self.metrics = ServerMetrics(served_model_name or engine.model_name)
         # One JSON line per finished request with the server's own times (python -m minicb serve
         # --request-log): what a client's measurements are compared with (bench/clients/compare.py).
         self.request_log = open(request_log, "a", buffering=1) if request_log else None
@@ -126,13 +142,17 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and alive
 
     # ------------------------------------------------------------------ called from the event loop
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int = 0) -> RequestStream:
+    async def submit(
+        self, prompts: list[list[int]], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
         """Hand the prompts of one HTTP request to the engine loop, one engine request each, all or
         nothing. Raises ValueError (the engine refuses one, e.g. too long for max_model_len) or
         QueueFullError; in both cases nothing was queued."""
         if not self.is_running:
             dead_core = isinstance(self.engine, RemoteEngine) and not self.engine.is_alive()
-            raise RuntimeError("the engine core process died" if dead_core else "the engine loop is not running")
+            raise RuntimeError(
+                "the engine core process died" if dead_core else "the engine loop is not running"
+            )
         stream = RequestStream(self, str(next(self._ids)), len(prompts))
         accepted = self._loop.create_future()
         self._inbox.put(("add", stream, prompts, params, priority, accepted))
@@ -144,10 +164,12 @@ class AsyncEngine:
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
-        """Thread-safe: ask the engine loop to abort requests (a no-op for those already finished)."""
+        """Thread-safe: ask the engine loop to abort requests (a no-op for those already
+        finished)."""
         self._inbox.put(("abort", request_ids))
 
-    # ------------------------------------------------------------------ the engine loop (its own thread)
+    # ------------------------------------------------------------------ the engine loop (its own
+    # thread)
     def _run(self) -> None:
         while True:
             idle = not self.engine.has_unfinished_requests()
@@ -182,22 +204,37 @@ class AsyncEngine:
         """Unfinished requests the server holds at most: every batch slot, plus max_waiting."""
         return self.engine.config.max_num_seqs + self.max_waiting
 
-    def _add(self, stream: RequestStream, prompts: list[list[int]], params, priority, accepted: asyncio.Future) -> None:
+    def _add(
+        self,
+        stream: RequestStream,
+        prompts: list[list[int]],
+        params,
+        priority,
+        accepted: asyncio.Future,
+    ) -> None:
         error = None
-        held = sum(not all(s.is_finished for s in group)  # every unfinished request, running or not
-                   for group in self.engine.output_processor.samples.values())
+        held = sum(
+            not all(s.is_finished for s in group)  # every unfinished request, running or not
+            for group in self.engine.output_processor.samples.values()
+        )
         if held + len(prompts) > self.capacity:
             more = f" and this request has {len(prompts)} prompts" if len(prompts) > 1 else ""
-            error = QueueFullError(f"server full: it holds {held} unfinished requests{more} (max_num_seqs="
-                                   f"{self.engine.config.max_num_seqs} + max_waiting={self.max_waiting}); retry later")
+            error = QueueFullError(
+                f"server full: it holds {held} unfinished requests{more} (max_num_seqs="
+                f"{self.engine.config.max_num_seqs} + max_waiting={self.max_waiting}); retry later"
+            )
             self.metrics.count_rejected()
         else:
             added = []
             try:
                 for request_id, prompt_token_ids in zip(stream.request_ids, prompts):
-                    self.engine.add_request(prompt_token_ids, params, priority, request_id=request_id)
+                    self.engine.add_request(
+                        prompt_token_ids, params, priority, request_id=request_id
+                    )
                     added.append(request_id)
-            except Exception as e:  # all or nothing: no step ran since the first was added, undo them
+            except (
+                Exception
+            ) as e:  # all or nothing: no step ran since the first was added, undo them
                 for request_id in added:
                     self.engine.abort_request(request_id)
                 where = f"prompt {len(added)}: " if len(prompts) > 1 else ""
@@ -205,10 +242,13 @@ class AsyncEngine:
                     error = ValueError(where + str(e))
                 else:  # a bug must not kill the engine loop
                     log.exception("add_request failed")
-                    error = RuntimeError(f"{where}the engine could not add this request: {type(e).__name__}: {e}")
+                    error = RuntimeError(
+                        f"{where}the engine could not add this request: {type(e).__name__}: {e}"
+                    )
             else:
                 self._streams.update(dict.fromkeys(stream.request_ids, stream))
-        self.metrics.publish_gauges(self._gauges())  # first, so that /metrics already counts a request its client sees accepted
+        # first, so that /metrics already counts a request its client sees accepted
+        self.metrics.publish_gauges(self._gauges())
         self._loop.call_soon_threadsafe(_resolve, accepted, error)
 
     def _abort(self, request_id: str) -> None:
@@ -226,22 +266,36 @@ class AsyncEngine:
             # already delivered and counted those.
             outputs = self.engine.step()
         except Exception as e:  # a bug outside the model (the engine stops failed requests itself)
-            log.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
+            log.exception(
+                "engine step failed; aborting the %d requests in flight", len(self._streams)
+            )
             self._fail_all(e)
             return
         # Requests stopped for an error get it delivered; aborted ones were delivered by _abort.
         failed = [o for o in outputs if o.error is not None]
-        outputs = [o for o in outputs if o.error is None and any(s.new_token_ids for s in o.outputs)]
+        outputs = [
+            o for o in outputs if o.error is None and any(s.new_token_ids for s in o.outputs)
+        ]
         rows, num_preempted = self._step_info(outputs)
-        if not isinstance(self.engine, RemoteEngine) or self.engine.stepped:  # not a wait that saw no step
-            self.metrics.record_step(rows, sum(len(s.new_token_ids) for o in outputs for s in o.outputs), num_preempted)
+        if (
+            not isinstance(self.engine, RemoteEngine) or self.engine.stepped
+        ):  # not a wait that saw no step
+            self.metrics.record_step(
+                rows, sum(len(s.new_token_ids) for o in outputs for s in o.outputs), num_preempted
+            )
         self.metrics.record_finished([o for o in outputs if o.finished] + failed)
         deliveries = []
         for out in failed:
             stream = self._streams.pop(out.request_id, None)
             if stream is not None:
-                deliveries.append((stream.queue, RuntimeError(f"this request failed in the engine and was "
-                                                              f"stopped: {out.error}")))
+                deliveries.append(
+                    (
+                        stream.queue,
+                        RuntimeError(
+                            f"this request failed in the engine and was stopped: {out.error}"
+                        ),
+                    )
+                )
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -249,13 +303,18 @@ class AsyncEngine:
                 if out.finished:
                     del self._streams[out.request_id]
                     if self.request_log is not None:  # the server's view of it (--request-log)
-                        self.request_log.write(json.dumps(request_record(out, stream.id, stream.received_at)) + "\n")
-        self.metrics.publish_gauges(self._gauges())  # first, so that a client reading /metrics after its last token sees it freed
+                        self.request_log.write(
+                            json.dumps(request_record(out, stream.id, stream.received_at)) + "\n"
+                        )
+        # first, so that a client reading /metrics after its last token sees it freed
+        self.metrics.publish_gauges(self._gauges())
         if deliveries:
             self._loop.call_soon_threadsafe(_deliver, deliveries)
 
     def _fail_all(self, error: Exception) -> None:
-        failure = RuntimeError(f"the engine failed while running this request: {type(error).__name__}: {error}")
+        failure = RuntimeError(
+            f"the engine failed while running this request: {type(error).__name__}: {error}"
+        )
         for rid, stream in list(self._streams.items()):
             self.engine.abort_request(rid)
             self.metrics.count_error()
@@ -266,26 +325,41 @@ class AsyncEngine:
         self.metrics.publish_gauges(self._gauges())
 
     def _step_info(self, outputs) -> tuple[int, int]:
-        """(rows in the batch, requests preempted) of the step just run, from the trace or the core."""
+        """(rows in the batch, requests preempted) of the step just run, from the trace or the
+        core."""
         if isinstance(self.engine, RemoteEngine):
             return self.engine.last_step_rows, self.engine.last_step_preempted
-        rec = self.engine.trace.steps[-1] if self.engine.config.record_trace and self.engine.trace.steps else None
-        return (len(rec.rows), len(rec.preempted) + len(rec.swapped_out)) if rec else (len(outputs), 0)
+        rec = (
+            self.engine.trace.steps[-1]
+            if self.engine.config.record_trace and self.engine.trace.steps
+            else None
+        )
+        return (
+            (len(rec.rows), len(rec.preempted) + len(rec.swapped_out)) if rec else (len(outputs), 0)
+        )
 
     def _gauges(self) -> dict:
-        return self.engine.stats if isinstance(self.engine, RemoteEngine) else engine_stats(self.engine)
+        return (
+            self.engine.stats
+            if isinstance(self.engine, RemoteEngine)
+            else engine_stats(self.engine)
+        )
 
     def metrics_text(self) -> str:
         return self.metrics.text()
 
     def __repr__(self):
         g = self.metrics.gauges
-        return (f"AsyncEngine(running={g['num_requests_running']}, waiting={g['num_requests_waiting']}"
-                f"/{self.max_waiting}, swapped={g['num_requests_swapped']}, kv_blocks_used="
-                f"{g['kv_blocks_used']}/{g['kv_blocks_total']}, steps={self.metrics.num_steps}, "
-                f"loop={'running' if self.is_running else 'stopped'})")
+        return (
+            f"AsyncEngine(running={g['num_requests_running']}, waiting={g['num_requests_waiting']}"
+            f"/{self.max_waiting}, swapped={g['num_requests_swapped']}, kv_blocks_used="
+            f"{g['kv_blocks_used']}/{g['kv_blocks_total']}, steps={self.metrics.num_steps}, "
+            f"loop={'running' if self.is_running else 'stopped'})"
+        )
 
-# These run in the event loop (scheduled with call_soon_threadsafe): asyncio objects are not thread-safe.
+
+# These run in the event loop (scheduled with call_soon_threadsafe): asyncio objects are not thread-
+# safe.
 def _resolve(future: asyncio.Future, error: Exception | None) -> None:
     if future.cancelled():
         return

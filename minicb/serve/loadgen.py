@@ -1,7 +1,7 @@
-"""The load generator's parts, shared by the load test (loadtest.py) and the soak (soak.py): a server
-started as a user starts it (`python -m minicb serve`, a process of its own, on a free loopback port),
-a client that streams one completion and times each token as it arrives, and the server's state
-read from GET /metrics once the load has passed."""
+"""The load generator's parts, shared by the load test (loadtest.py) and the soak (soak.py): a
+server started as a user starts it (`python -m minicb serve`, a process of its own, on a free
+loopback port), a client that streams one completion and times each token as it arrives, and the
+server's state read from GET /metrics once the load has passed."""
 
 import argparse
 import asyncio
@@ -22,9 +22,17 @@ import httpx
 from .metrics import parse_metrics
 
 CANCELLED = "cancelled at the time limit"
-GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "minicb:kv_blocks_used", "minicb:kv_blocks_free",
-          "minicb:kv_blocks_total")  # read from /metrics once the load has passed
-STARTUP_TIMEOUT_S = 600  # the embedded model's first load converts its GGUF file (~20 s); a busy machine is slower
+# read from /metrics once the load has passed
+GAUGES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "minicb:kv_blocks_used",
+    "minicb:kv_blocks_free",
+    "minicb:kv_blocks_total",
+)
+STARTUP_TIMEOUT_S = (
+    600  # the embedded model's first load converts its GGUF file (~20 s); a busy machine is slower
+)
 
 
 def check_loopback(url: str) -> None:
@@ -34,28 +42,37 @@ def check_loopback(url: str) -> None:
     except ValueError:
         loopback = False
     if not loopback:
-        raise ValueError(f"the load test only targets loopback servers (127.0.0.1, ::1, localhost), not {host!r}")
+        raise ValueError(
+            f"the load test only targets loopback servers (127.0.0.1, ::1, localhost), not {host!r}"
+        )
 
 
 def http_client(url: str, max_connections: int, timeout: float) -> httpx.AsyncClient:
     # TCP_NODELAY: httpx writes headers and body separately, and Nagle's algorithm would hold the
     # body back until the server's delayed ACK (~40 ms), which would show up as TTFT.
-    transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=max_connections),
-                                         socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    transport = httpx.AsyncHTTPTransport(
+        limits=httpx.Limits(max_connections=max_connections),
+        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+    )
     return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout), transport=transport)
 
 
-async def one_request(client: httpx.AsyncClient, body: dict, leave_after: int | None = None) -> dict:
-    """Stream one completion; return its token ids, client-side timings (seconds), finish reason and,
-    if the body asks for it (stream_options.include_usage), the server's count of its tokens. With
-    `leave_after`, walk away once that many tokens came: leaving `client.stream` unread closes the
-    connection, which the server must notice (it aborts the request and frees its blocks)."""
+async def one_request(
+    client: httpx.AsyncClient, body: dict, leave_after: int | None = None
+) -> dict:
+    """Stream one completion; return its token ids, client-side timings (seconds), finish reason
+    and, if the body asks for it (stream_options.include_usage), the server's count of its tokens.
+    With `leave_after`, walk away once that many tokens came: leaving `client.stream` unread closes
+    the connection, which the server must notice (it aborts the request and frees its blocks)."""
     t0 = time.perf_counter()
     times, ids, finish, usage = [], [], None, None
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            return {"status": r.status_code, "retry_after": r.headers.get("retry-after"),
-                    "error": f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"}
+            return {
+                "status": r.status_code,
+                "retry_after": r.headers.get("retry-after"),
+                "error": f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}",
+            }
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -72,9 +89,15 @@ async def one_request(client: httpx.AsyncClient, body: dict, leave_after: int | 
             if leave_after is not None and len(ids) >= leave_after:
                 return {"status": 200, "abandoned": True, "token_ids": ids}
     n = len(ids)
-    return {"status": 200, "token_ids": ids, "finish_reason": finish, "usage": usage,
-            "ttft": times[0] - t0 if times else None,
-            "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None, "end": time.perf_counter()}
+    return {
+        "status": 200,
+        "token_ids": ids,
+        "finish_reason": finish,
+        "usage": usage,
+        "ttft": times[0] - t0 if times else None,
+        "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None,
+        "end": time.perf_counter(),
+    }
 
 
 async def server_state(client, timeout: float = 30.0) -> dict:
@@ -90,13 +113,25 @@ async def server_state(client, timeout: float = 30.0) -> dict:
 
 
 # ---------------------------------------------------------------------- a server of its own
-def serve_command(args, model: str | None, port: int, max_waiting: int, in_process: bool) -> list[str]:
-    """`python -m minicb serve` with the engine flags parsed into `args` (those not at their default)."""
+def serve_command(
+    args, model: str | None, port: int, max_waiting: int, in_process: bool
+) -> list[str]:
+    """`python -m minicb serve` with the engine flags parsed into `args` (those not at their
+    default)."""
     from .cli import add_engine_arguments
 
     defaults = argparse.ArgumentParser()
     add_engine_arguments(defaults)
-    cmd = [sys.executable, "-m", "minicb", "serve", "--port", str(port), "--max-waiting", str(max_waiting)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "minicb",
+        "serve",
+        "--port",
+        str(port),
+        "--max-waiting",
+        str(max_waiting),
+    ]
     for name, default in vars(defaults.parse_args([])).items():
         value = model if name == "model" else getattr(args, name)
         flag = "--" + name.replace("_", "-")
@@ -109,7 +144,9 @@ def serve_command(args, model: str | None, port: int, max_waiting: int, in_proce
     return cmd + (["--engine-in-process"] if in_process else [])
 
 
-def start_server(args, model: str | None, in_process: bool, max_waiting: int, stack: ExitStack) -> str:
+def start_server(
+    args, model: str | None, in_process: bool, max_waiting: int, stack: ExitStack
+) -> str:
     """Start `python -m minicb serve` on a free loopback port; return its URL once /health answers.
     `stack` stops it (SIGTERM: uvicorn shuts down, which stops the engine core) when it closes."""
     with socket.socket() as s:  # a free port: the server binds it a moment later
@@ -117,10 +154,15 @@ def start_server(args, model: str | None, in_process: bool, max_waiting: int, st
         port = s.getsockname()[1]
     cmd = serve_command(args, model, port, max_waiting, in_process)
     print("starting:", " ".join(cmd[1:]), file=sys.stderr)
-    log = stack.enter_context(tempfile.TemporaryFile("w+"))  # uvicorn's access log: one line per request
-    # The server imports this very minicb, wherever the current directory is and whatever is installed.
+    # uvicorn's access log: one line per request
+    log = stack.enter_context(tempfile.TemporaryFile("w+"))
+    # The server imports this very minicb, wherever the current directory is and whatever is
+    # installed.
     here = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p),
+    }
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     stack.callback(stop, proc)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + STARTUP_TIMEOUT_S
@@ -132,7 +174,9 @@ def start_server(args, model: str | None, in_process: bool, max_waiting: int, st
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             log.seek(0)
-            raise RuntimeError(f"the server did not start (exit code {proc.poll()}):\n{log.read()[-3000:]}")
+            raise RuntimeError(
+                f"the server did not start (exit code {proc.poll()}):\n{log.read()[-3000:]}"
+            )
         time.sleep(0.2)
 
 

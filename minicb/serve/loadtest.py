@@ -1,26 +1,29 @@
 """A bounded load test of the HTTP server, measured against the offline engine on the same requests.
 
-    python -m minicb.serve.loadtest                    # `python -m minicb serve` (engine-core process) on loopback
-    python -m minicb.serve.loadtest --engine both      # that, then `serve --engine-in-process`: both printed
-    python -m minicb.serve.loadtest --tiny             # a tiny random model: a smoke test in seconds
-    python -m minicb.serve.loadtest --soak             # 64 clients for 60 s, walk-aways, a flood (soak.py)
-    python -m minicb.serve.loadtest --url http://127.0.0.1:8000    # a server already running (loopback only)
+    python -m minicb.serve.loadtest                    # `python -m minicb serve` (engine-core
+    process) on loopback python -m minicb.serve.loadtest --engine both      # that, then `serve
+    --engine-in-process`: both printed python -m minicb.serve.loadtest --tiny             # a tiny
+    random model: a smoke test in seconds python -m minicb.serve.loadtest --soak             # 64
+    clients for 60 s, walk-aways, a flood (soak.py) python -m minicb.serve.loadtest --url
+    http://127.0.0.1:8000    # a server already running (loopback only)
 
 At each level, `clients` clients send streaming requests (by default one each, at least 8 in all), a
 new one as soon as one ends. Each client measures on its own clock: TTFT = send -> first token,
-TPOT = (last token - first token) / (tokens - 1); output tokens/s = all tokens / the level's wall time.
-Prompts are token ids and decoding is greedy with ignore_eos, so each request's tokens depend only
-on its prompt. After each level the server must be idle with every KV block free (GET /metrics).
+TPOT = (last token - first token) / (tokens - 1); output tokens/s = all tokens / the level's wall
+time. Prompts are token ids and decoding is greedy with ignore_eos, so each request's tokens depend
+only on its prompt. After each level the server must be idle with every KV block free (GET
+/metrics).
 
 The yardstick (issue 14): what does the server cost over the engine it wraps? After each level,
 while the server is idle, this process runs the same requests through an offline LLM built with the
 same config: at 1 client one at a time through LLM.stream, and the server's TPOT p50 is set against
 the offline per-token time measured the same way (target: at most 1.25x); at more clients all at
-once through LLM.generate, with min(clients, max_num_seqs) slots, the most requests that many clients
-keep in flight, and the server's output tokens/s is set against offline's (target: at least 0.90).
-The server is `python -m minicb serve` in a process of its own, as a user runs it, so the clients
-here share no interpreter with it. Bounded: fixed request counts, loopback only, and a --time-limit
-(requests running then are cancelled, i.e. their clients disconnect; offline runs start only before it).
+once through LLM.generate, with min(clients, max_num_seqs) slots, the most requests that many
+clients keep in flight, and the server's output tokens/s is set against offline's (target: at least
+0.90). The server is `python -m minicb serve` in a process of its own, as a user runs it, so the
+clients here share no interpreter with it. Bounded: fixed request counts, loopback only, and a
+--time-limit (requests running then are cancelled, i.e. their clients disconnect; offline runs start
+only before it).
 """
 
 import argparse
@@ -46,14 +49,26 @@ def make_workload(num_requests: int, prompt_len: int, max_tokens: int, seed: int
     rng = random.Random(seed)
     bodies = []
     for _ in range(num_requests):
-        prompt = [rng.randrange(3, 100) for _ in range(rng.randint(max(1, prompt_len // 2), prompt_len))]
-        bodies.append({"prompt": prompt, "max_tokens": rng.randint(max(1, max_tokens // 2), max_tokens),
-                       "temperature": 0, "ignore_eos": True, "stream": True})
+        prompt = [
+            rng.randrange(3, 100) for _ in range(rng.randint(max(1, prompt_len // 2), prompt_len))
+        ]
+        bodies.append(
+            {
+                "prompt": prompt,
+                "max_tokens": rng.randint(max(1, max_tokens // 2), max_tokens),
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        )
     return bodies
 
 
-async def run_level(client, bodies: list[dict], concurrency: int, deadline: float) -> tuple[list, float]:
-    """All bodies with `concurrency` clients at a time; requests unfinished at `deadline` are cancelled."""
+async def run_level(
+    client, bodies: list[dict], concurrency: int, deadline: float
+) -> tuple[list, float]:
+    """All bodies with `concurrency` clients at a time; requests unfinished at `deadline` are
+    cancelled."""
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(body):
@@ -66,7 +81,8 @@ async def run_level(client, bodies: list[dict], concurrency: int, deadline: floa
     results = []
     for t in tasks:
         if not t.done():
-            t.cancel()  # closes the connection: the server must abort the request and free its blocks
+            # closes the connection: the server must abort the request and free its blocks
+            t.cancel()
             results.append({"error": CANCELLED})
         elif t.exception() is not None:
             results.append({"error": f"{type(t.exception()).__name__}: {t.exception()}"})
@@ -81,45 +97,70 @@ def summarize_level(concurrency: int, results: list[dict], wall: float, state: d
     done = [r for r in results if "error" not in r]
     tpots = [r["tpot"] for r in done if r["tpot"] is not None]
     ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
-    return dict(concurrency=concurrency, requests=len(results), done=len(done), requests_per_s=len(done) / wall,
-                tokens_per_s=sum(len(r["token_ids"]) for r in done) / wall,
-                ttft_p50=percentile(ttfts, 50), ttft_p99=percentile(ttfts, 99),
-                tpot_p50=percentile(tpots, 50), tpot_p99=percentile(tpots, 99),
-                cancelled=sum(r.get("error") == CANCELLED for r in results),
-                errors=sorted({r["error"] for r in results if r.get("error", CANCELLED) != CANCELLED}),
-                blocks_free=int(state["kv_blocks_free"]), blocks_total=int(state["kv_blocks_total"]),
-                all_blocks_free=state["kv_blocks_used"] == 0 and state["num_requests_running"] == 0)
+    return dict(
+        concurrency=concurrency,
+        requests=len(results),
+        done=len(done),
+        requests_per_s=len(done) / wall,
+        tokens_per_s=sum(len(r["token_ids"]) for r in done) / wall,
+        ttft_p50=percentile(ttfts, 50),
+        ttft_p99=percentile(ttfts, 99),
+        tpot_p50=percentile(tpots, 50),
+        tpot_p99=percentile(tpots, 99),
+        cancelled=sum(r.get("error") == CANCELLED for r in results),
+        errors=sorted({r["error"] for r in results if r.get("error", CANCELLED) != CANCELLED}),
+        blocks_free=int(state["kv_blocks_free"]),
+        blocks_total=int(state["kv_blocks_total"]),
+        all_blocks_free=state["kv_blocks_used"] == 0 and state["num_requests_running"] == 0,
+    )
 
 
-# ---------------------------------------------------------------------- the offline side of the yardstick
+# ---------------------------------------------------------------------- the offline side of the
+# yardstick
 class Offline:
-    """Offline LLMs on the server's weights and config, one at a time (`slots` = their max_num_seqs)."""
+    """Offline LLMs on the server's weights and config, one at a time (`slots` = their
+    max_num_seqs)."""
 
     def __init__(self, config):
-        from ..loader import load_model
+        from ..model_executor.loader import load_model
 
-        self.config, self.loaded, self.llm, self.slots = config, load_model(config.model, config.dtype), None, None
+        self.config, self.loaded, self.llm, self.slots = (
+            config,
+            load_model(config.model, config.dtype),
+            None,
+            None,
+        )
 
     def with_slots(self, slots: int):
         if slots != self.slots:
-            from ..llm import LLM
+            from ..engine.llm import LLM
             from ..sampling_params import SamplingParams
 
             self.llm = None  # free the previous one's KV cache first
             fields = {k: v for k, v in asdict(self.config).items() if k != "model"}
-            self.llm, self.slots = LLM.from_loaded(self.loaded, **{**fields, "max_num_seqs": slots}), slots
-            self.llm.generate([[5, 6, 7]] * slots, SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+            self.llm, self.slots = (
+                LLM.from_loaded(self.loaded, **{**fields, "max_num_seqs": slots}),
+                slots,
+            )
+            # warm-up
+            self.llm.generate([[5, 6, 7]] * slots, SamplingParams(max_tokens=4), use_tqdm=False)
         return self.llm
 
     def run(self, bodies: list[dict], concurrency: int) -> dict:
-        """The bodies as `concurrency` clients would send them, but in this process, without HTTP."""
+        """The bodies as `concurrency` clients would send them, but in this process, without
+        HTTP."""
         from ..sampling_params import SamplingParams
 
         llm = self.with_slots(min(concurrency, self.config.max_num_seqs))
-        params = [SamplingParams(max_tokens=b["max_tokens"], temperature=0, ignore_eos=True) for b in bodies]
+        params = [
+            SamplingParams(max_tokens=b["max_tokens"], temperature=0, ignore_eos=True)
+            for b in bodies
+        ]
         prompts = [b["prompt"] for b in bodies]
         t0, token_ids, tpots = time.perf_counter(), [], []
-        if concurrency == 1:  # one at a time, each token timed as it comes out, as a client times it
+        if (
+            concurrency == 1
+        ):  # one at a time, each token timed as it comes out, as a client times it
             for prompt, p in zip(prompts, params):
                 times = []
                 for out in llm.stream([prompt], p):
@@ -127,61 +168,97 @@ class Offline:
                 token_ids.append(out.outputs[0].token_ids)
                 tpots.append(mean_gap(times[0], times[-1], len(times)))
         else:
-            token_ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            token_ids = [
+                o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
         wall = time.perf_counter() - t0
-        return {"token_ids": token_ids, "tokens_per_s": sum(map(len, token_ids)) / wall,
-                "tpot_p50": percentile([t for t in tpots if t is not None], 50)}
+        return {
+            "token_ids": token_ids,
+            "tokens_per_s": sum(map(len, token_ids)) / wall,
+            "tpot_p50": percentile([t for t in tpots if t is not None], 50),
+        }
 
 
 def compare(row: dict, results: list[dict], offline: dict) -> None:
-    """Add the yardstick to a level's row: the measure on both sides, their ratio, the tokens that agree."""
-    pairs = [(r["token_ids"], ids) for r, ids in zip(results, offline["token_ids"]) if "error" not in r]
+    """Add the yardstick to a level's row: the measure on both sides, their ratio, the tokens that
+    agree."""
+    pairs = [
+        (r["token_ids"], ids) for r, ids in zip(results, offline["token_ids"]) if "error" not in r
+    ]
     row["same_output"], row["compared"] = sum(a == b for a, b in pairs), len(pairs)
     key = "tpot_p50" if row["concurrency"] == 1 else "tokens_per_s"
     row.update(measure=key, server=row[key], offline=offline[key], ratio=row[key] / offline[key])
 
 
 def yardstick(runs: list[dict]) -> dict:
-    """One level's runs (--repeat) in one row: the median of each side and of the run-by-run ratios."""
+    """One level's runs (--repeat) in one row: the median of each side and of the run-by-run
+    ratios."""
     tpot = runs[0]["measure"] == "tpot_p50"
     ratios = [r["ratio"] for r in runs]
     ratio = percentile(ratios, 50)
     return {k: runs[0][k] for k in ("engine", "concurrency", "measure")} | {
-        "server": percentile([r["server"] for r in runs], 50), "offline": percentile([r["offline"] for r in runs], 50),
-        "ratio": ratio, "ratios": ratios, "target": MAX_TPOT_RATIO if tpot else MIN_THROUGHPUT_RATIO,
-        "met": ratio <= MAX_TPOT_RATIO if tpot else ratio >= MIN_THROUGHPUT_RATIO}
+        "server": percentile([r["server"] for r in runs], 50),
+        "offline": percentile([r["offline"] for r in runs], 50),
+        "ratio": ratio,
+        "ratios": ratios,
+        "target": MAX_TPOT_RATIO if tpot else MIN_THROUGHPUT_RATIO,
+        "met": ratio <= MAX_TPOT_RATIO if tpot else ratio >= MIN_THROUGHPUT_RATIO,
+    }
 
 
 def print_yardstick(rows: list[dict], cpu: str, out=None) -> None:
-    print(f"\nthe yardstick (issue 14) on {cpu}, {os.cpu_count()} CPUs: the server against offline LLM "
-          f"on the same requests, measured in turn", file=out)
-    print(f"{'engine':<11} {'clients':>7} {'measure':<13} {'server':>10} {'offline':>10} {'ratio':>6}  "
-          f"{'target':<9} {'':<8} {'runs' if any(len(r['ratios']) > 1 for r in rows) else ''}", file=out)
+    print(
+        f"\nthe yardstick (issue 14) on {cpu}, {os.cpu_count()} CPUs: the server against offline "
+        "LLM on the same requests, measured in turn",
+        file=out,
+    )
+    print(
+        f"{'engine':<11} {'clients':>7} {'measure':<13} {'server':>10} {'offline':>10} "
+        f"{'ratio':>6}  {'target':<9} {'':<8} "
+        f"{'runs' if any(len(r['ratios']) > 1 for r in rows) else ''}",
+        file=out,
+    )
     for r in rows:
         tpot = r["measure"] == "tpot_p50"
         value = (lambda x: f"{1000 * x:.1f} ms") if tpot else (lambda x: f"{x:.1f}")
         target = f"<= {r['target']:.2f}x" if tpot else f">= {r['target']:.2f}"
         runs = " ".join(f"{x:.2f}" for x in r["ratios"]) if len(r["ratios"]) > 1 else ""
-        print(f"{r['engine']:<11} {r['concurrency']:>7} {'TPOT p50' if tpot else 'output tok/s':<13} "
-              f"{value(r['server']):>10} {value(r['offline']):>10} {r['ratio']:>6.2f}  {target:<9} "
-              f"{'met' if r['met'] else 'NOT MET':<8} {runs}", file=out)
+        print(
+            f"{r['engine']:<11} {r['concurrency']:>7} {'TPOT p50' if tpot else 'output tok/s':<13} "
+            f"{value(r['server']):>10} {value(r['offline']):>10} {r['ratio']:>6.2f}  {target:<9} "
+            f"{'met' if r['met'] else 'NOT MET':<8} {runs}",
+            file=out,
+        )
 
 
-async def load_test(url: str, levels: list[int], workloads: dict, time_limit: float, offline: Offline | None,
-                    engine: str = "core", repeat: int = 1, out=None) -> tuple[list[dict], list[dict]]:
-    """Each level `repeat` times, each run followed by its offline twin; returns (every run, yardstick rows).
-    The time limit counts from the end of the warm-up: on a slow or busy machine the warm-up may take
-    longer than a short limit, and the first level must still run (and be cut short) within it."""
+async def load_test(
+    url: str,
+    levels: list[int],
+    workloads: dict,
+    time_limit: float,
+    offline: Offline | None,
+    engine: str = "core",
+    repeat: int = 1,
+    out=None,
+) -> tuple[list[dict], list[dict]]:
+    """Each level `repeat` times, each run followed by its offline twin; returns (every run,
+    yardstick rows). The time limit counts from the end of the warm-up: on a slow or busy machine
+    the warm-up may take longer than a short limit, and the first level must still run (and be cut
+    short) within it."""
     runs, rows = [], []
-    # Requests still running at the deadline are cancelled by run_level; the client's own timeout only
-    # guards against a server that stops answering.
+    # Requests still running at the deadline are cancelled by run_level; the client's own timeout
+    # only guards against a server that stops answering.
     async with http_client(url, max(levels) + 4, timeout=max(60.0, time_limit)) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        await one_request(client, {**workloads[levels[0]][0], "max_tokens": 4})  # warm-up, not measured
+        # warm-up, not measured
+        await one_request(client, {**workloads[levels[0]][0], "max_tokens": 4})
         deadline = time.monotonic() + time_limit
         print(f"\nload test of {model} at {url} (engine: {engine}), greedy, ignore_eos", file=out)
-        print(f"{'clients':>7} {'done':>7} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} "
-              f"{'p99':>7} {'same out':>9} {'blocks free':>12}", file=out)
+        print(
+            f"{'clients':>7} {'done':>7} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'p99':>7} "
+            f"{'TPOT p50':>9} {'p99':>7} {'same out':>9} {'blocks free':>12}",
+            file=out,
+        )
         ms = lambda x: "-" if x != x else f"{1000 * x:.0f} ms"  # x != x: NaN, nothing measured
         for c in levels:
             bodies, level = workloads[c], []
@@ -190,19 +267,29 @@ async def load_test(url: str, levels: list[int], workloads: dict, time_limit: fl
                     print(f"{c:>7} skipped: time limit reached", file=out)
                     break
                 results, wall = await run_level(client, bodies, c, deadline)
-                row = {"engine": engine, **summarize_level(c, results, wall, await server_state(client))}
+                row = {
+                    "engine": engine,
+                    **summarize_level(c, results, wall, await server_state(client)),
+                }
                 if offline is not None and not row["cancelled"] and time.monotonic() < deadline:
                     compare(row, results, offline.run(bodies, c))  # the server is idle now
                     level.append(row)
                 runs.append(row)
                 same = f"{row['same_output']}/{row['compared']}" if "compared" in row else "-"
-                print(f"{c:>7} {'%d/%d' % (row['done'], len(bodies)):>7} {row['requests_per_s']:>7.2f} "
-                      f"{row['tokens_per_s']:>8.1f} {ms(row['ttft_p50']):>9} {ms(row['ttft_p99']):>7} "
-                      f"{ms(row['tpot_p50']):>9} {ms(row['tpot_p99']):>7} {same:>9} "
-                      f"{'%d/%d' % (row['blocks_free'], row['blocks_total']):>12}", file=out)
+                print(
+                    f"{c:>7} {'%d/%d' % (row['done'], len(bodies)):>7} "
+                    f"{row['requests_per_s']:>7.2f} {row['tokens_per_s']:>8.1f} "
+                    f"{ms(row['ttft_p50']):>9} {ms(row['ttft_p99']):>7} {ms(row['tpot_p50']):>9} "
+                    f"{ms(row['tpot_p99']):>7} {same:>9} "
+                    f"{'%d/%d' % (row['blocks_free'], row['blocks_total']):>12}",
+                    file=out,
+                )
                 if row["cancelled"]:
-                    print(f"        {row['cancelled']} requests cancelled at the time limit (clients disconnected)",
-                          file=out)
+                    print(
+                        f"        {row['cancelled']} requests cancelled at the time limit (clients "
+                        "disconnected)",
+                        file=out,
+                    )
                 for e in row["errors"]:
                     print(f"        error: {e}", file=out)
             if level:
@@ -211,38 +298,96 @@ async def load_test(url: str, levels: list[int], workloads: dict, time_limit: fl
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minicb.serve.loadtest", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default=None, help="a running server on loopback (default: start one here)")
-    p.add_argument("--engine", default="core", choices=["core", "in-process", "both"],
-                   help="the server started here: `serve` with its engine-core process (serve's default), "
-                        "`serve --engine-in-process`, or one then the other")
+    p = argparse.ArgumentParser(
+        prog="python -m minicb.serve.loadtest",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--url", default=None, help="a running server on loopback (default: start one here)"
+    )
+    p.add_argument(
+        "--engine",
+        default="core",
+        choices=["core", "in-process", "both"],
+        help="the server started here: `serve` with its engine-core process (serve's default), "
+        "`serve --engine-in-process`, or one then the other",
+    )
     p.add_argument("--tiny", action="store_true", help="serve a tiny random model instead (fast)")
     from .cli import add_engine_arguments, engine_config
 
-    add_engine_arguments(p.add_argument_group("the engine (of the server started here, and offline)"))
-    p.add_argument("--core-threads", type=int, default=None,
-                   help="serve's --core-threads: torch threads of its engine-core process (default: one per core)")
-    p.add_argument("--max-waiting", type=int, default=None,
-                   help="serve's --max-waiting (default: room for every client; with --soak, serve's 64)")
-    p.add_argument("--concurrency", default="1,16,64", help="comma-separated client counts (default 1,16,64)")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help=f"requests per level (default: one per client, at least {MIN_REQUESTS})")
-    p.add_argument("--prompt-len", type=int, default=32, help="longest prompt in tokens (default 32)")
-    p.add_argument("--max-tokens", type=int, default=64, help="longest output in tokens (default 64)")
-    p.add_argument("--time-limit", type=float, default=900.0, help="hard limit for each server's load in s, counted from the end of its warm-up request")
-    p.add_argument("--no-offline", action="store_true", help="skip the yardstick (the offline runs)")
-    p.add_argument("--repeat", type=int, default=1, help="runs of each level, each with its offline twin: the "
-                   "yardstick takes the median (3 on a machine shared with other work)")
-    p.add_argument("--soak", action="store_true", help="the heavier bounded run of soak.py instead of the levels")
+    add_engine_arguments(
+        p.add_argument_group("the engine (of the server started here, and offline)")
+    )
+    p.add_argument(
+        "--core-threads",
+        type=int,
+        default=None,
+        help=(
+            "serve's --core-threads: torch threads of its engine-core process "
+            "(default: one per core)"
+        ),
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="serve's --max-waiting (default: room for every client; with --soak, serve's 64)",
+    )
+    p.add_argument(
+        "--concurrency", default="1,16,64", help="comma-separated client counts (default 1,16,64)"
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help=f"requests per level (default: one per client, at least {MIN_REQUESTS})",
+    )
+    p.add_argument(
+        "--prompt-len", type=int, default=32, help="longest prompt in tokens (default 32)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="longest output in tokens (default 64)"
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=900.0,
+        help="hard limit for each server's load in s, counted from the end of its warm-up request",
+    )
+    p.add_argument(
+        "--no-offline", action="store_true", help="skip the yardstick (the offline runs)"
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each level, each with its offline twin: the "
+        "yardstick takes the median (3 on a machine shared with other work)",
+    )
+    p.add_argument(
+        "--soak",
+        action="store_true",
+        help="the heavier bounded run of soak.py instead of the levels",
+    )
     p.add_argument("--soak-clients", type=int, default=64, help="clients of the soak (default 64)")
-    p.add_argument("--soak-seconds", type=float, default=60.0, help="how long they send requests (default 60)")
+    p.add_argument(
+        "--soak-seconds", type=float, default=60.0, help="how long they send requests (default 60)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
-    if not levels or min(levels) < 1 or (args.num_requests or 1) < 1 or args.time_limit <= 0 or args.repeat < 1:
-        p.error("concurrency levels, --num-requests and --repeat must be positive, --time-limit > 0")
+    if (
+        not levels
+        or min(levels) < 1
+        or (args.num_requests or 1) < 1
+        or args.time_limit <= 0
+        or args.repeat < 1
+    ):
+        p.error(
+            "concurrency levels, --num-requests and --repeat must be positive, --time-limit > 0"
+        )
     if args.url:
         try:
             check_loopback(args.url)
@@ -250,14 +395,16 @@ def main(argv=None) -> int:
             p.error(str(e))
     from ..bench.machine import cpu_model
 
-    workload = lambda n: make_workload(args.num_requests or n, args.prompt_len, args.max_tokens, args.seed)
+    workload = lambda n: make_workload(
+        args.num_requests or n, args.prompt_len, args.max_tokens, args.seed
+    )
     result = {"cpu": cpu_model(), "cpus": os.cpu_count(), "levels": [], "yardstick": []}
     with ExitStack() as stack:
         model = args.model
         if args.tiny:
             import tempfile
 
-            from ..loader import save_tiny_model
+            from ..model_executor.loader import save_tiny_model
 
             model = str(save_tiny_model(stack.enter_context(tempfile.TemporaryDirectory())))
         config = engine_config(args, model)
@@ -276,14 +423,32 @@ def main(argv=None) -> int:
     return 0 if result["ok"] else 1
 
 
-def run_levels(args, model: str | None, levels: list[int], workload, offline: Offline | None, result: dict) -> None:
+def run_levels(
+    args, model: str | None, levels: list[int], workload, offline: Offline | None, result: dict
+) -> None:
     workloads = {c: workload(max(c, MIN_REQUESTS)) for c in levels}
-    max_waiting = args.max_waiting or max(len(b) for b in workloads.values())  # every client may wait
-    for engine in ["--url"] if args.url else ["core", "in-process"] if args.engine == "both" else [args.engine]:
+    # every client may wait
+    max_waiting = args.max_waiting or max(len(b) for b in workloads.values())
+    for engine in (
+        ["--url"]
+        if args.url
+        else ["core", "in-process"]
+        if args.engine == "both"
+        else [args.engine]
+    ):
         with ExitStack() as server:  # one server at a time: stopped before the next starts
             url = args.url or start_server(args, model, engine == "in-process", max_waiting, server)
-            runs, rows = asyncio.run(load_test(url.rstrip("/"), levels, workloads, args.time_limit, offline,
-                                               engine, args.repeat))
+            runs, rows = asyncio.run(
+                load_test(
+                    url.rstrip("/"),
+                    levels,
+                    workloads,
+                    args.time_limit,
+                    offline,
+                    engine,
+                    args.repeat,
+                )
+            )
         result["levels"] += runs
         result["yardstick"] += rows
         freed = all(r["all_blocks_free"] for r in runs)

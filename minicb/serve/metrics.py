@@ -12,35 +12,37 @@ thing, so that a dashboard made for vLLM reads minicb, and every series has vLLM
 label. What vLLM does not have keeps a `minicb:` name.
 
 Gauges, the scheduler's state (publish_gauges, with a dict from scheduler_stats):
-  vllm:num_requests_running      requests in the running batch
-  vllm:num_requests_waiting      requests waiting for a slot (those preempted by recompute too)
-  vllm:kv_cache_usage_perc       KV blocks in use / all KV blocks, from 0 to 1
-  vllm:cache_config_info         always 1: its labels block_size and num_gpu_blocks say the KV cache's shape
-  minicb:num_requests_swapped    preempted requests whose KV blocks wait in CPU memory (vLLM V1 has no swap)
-  minicb:kv_blocks_used, minicb:kv_blocks_free, minicb:kv_blocks_total
+  vllm:num_requests_running      requests in the running batch vllm:num_requests_waiting
+  requests waiting for a slot (those preempted by recompute too) vllm:kv_cache_usage_perc       KV
+  blocks in use / all KV blocks, from 0 to 1 vllm:cache_config_info         always 1: its labels
+  block_size and num_gpu_blocks say the KV cache's shape minicb:num_requests_swapped    preempted
+  requests whose KV blocks wait in CPU memory (vLLM V1 has no swap) minicb:kv_blocks_used,
+  minicb:kv_blocks_free, minicb:kv_blocks_total
 Per engine step (record_step):
   vllm:generation_tokens         tokens generated, every sample of a request with n > 1 included
   vllm:num_preemptions           requests preempted, by recompute or by swap
   minicb:engine_steps            steps run
   minicb:batch_size              (histogram) requests in one step: the rows of its batch
 Per finished request (record_finished: one observation per request, with its first sample's times):
-  vllm:request_success           requests finished, by label finished_reason: stop, length, abort, or
+  vllm:request_success           requests finished, by label finished_reason: stop, length, abort,
+  or
                                  error (stopped by a failure in the engine; recent vLLM has it too)
   vllm:prompt_tokens             prompt tokens of the requests that were prefilled
   vllm:request_prompt_tokens, vllm:request_generation_tokens   (histograms) tokens of one request
   vllm:time_to_first_token_seconds   arrival -> first token: queueing + prefill (TTFT)
-  vllm:request_queue_time_seconds    arrival -> first scheduled
-  vllm:request_prefill_time_seconds  first scheduled -> first token
-  vllm:request_decode_time_seconds   first token -> last token
-  vllm:e2e_request_latency_seconds   arrival -> finish
-  vllm:request_time_per_output_token_seconds  the request's mean gap between two output tokens,
+  vllm:request_queue_time_seconds    arrival -> first scheduled vllm:request_prefill_time_seconds
+  first scheduled -> first token vllm:request_decode_time_seconds   first token -> last token
+  vllm:e2e_request_latency_seconds   arrival -> finish vllm:request_time_per_output_token_seconds
+  the request's mean gap between two output tokens,
                                  decode time / (tokens - 1): minicb's TPOT (minicb/metrics.py)
   vllm:inter_token_latency_seconds   every gap between two consecutive tokens (ITL); its tail shows
                                  the stalls that a request's mean hides
 Speculative decoding (publish_gauges, from the engine's totals; 0 when it is off):
-  vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens
-                                 rows that verified drafts, drafts verified, drafts accepted: the acceptance
-                                 rate is rate(accepted) / rate(draft tokens), as in vLLM's dashboards
+  vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens,
+  vllm:spec_decode_num_accepted_tokens
+                                 rows that verified drafts, drafts verified, drafts accepted: the
+                                 acceptance rate is rate(accepted) / rate(draft tokens), as in
+                                 vLLM's dashboards
 Admission (count_rejected):
   vllm:admission_rejections      requests refused because the server held max_num_seqs + max_waiting
                                  (HTTP 503), the rule of vLLM's --max-num-queued-reqs; vLLM adds a
@@ -61,40 +63,129 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..metrics import inter_token_latencies, mean_gap
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # SpecDecodingStats' totals
-# Bucket bounds: vLLM's, with finer ones below theirs where a tiny model on a CPU answers in milliseconds.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # seconds (vLLM's)
-TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # seconds (vLLM's from 0.01)
-REQUEST_BUCKETS = (0.001, 0.01, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # seconds (vLLM's from 0.3)
-TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 500000
+# SpecDecodingStats' totals
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+# Bucket bounds: vLLM's, with finer ones below theirs where a tiny model on a CPU answers in
+# milliseconds. seconds (vLLM's)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+# seconds (vLLM's from 0.01)
+TOKEN_GAP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+# seconds (vLLM's from 0.3)
+REQUEST_BUCKETS = (
+    0.001,
+    0.01,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+# 1, 2, 5, 10, ... 500000
+TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows in one step
 
 # Observed once per finished request: name -> (help, buckets).
 REQUEST_HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": ("Arrival to first token (TTFT), seconds.", TTFT_BUCKETS),
     "vllm:request_queue_time_seconds": ("Arrival to first scheduled, seconds.", REQUEST_BUCKETS),
-    "vllm:request_prefill_time_seconds": ("First scheduled to first token, seconds.", REQUEST_BUCKETS),
+    "vllm:request_prefill_time_seconds": (
+        "First scheduled to first token, seconds.",
+        REQUEST_BUCKETS,
+    ),
     "vllm:request_decode_time_seconds": ("First token to last token, seconds.", REQUEST_BUCKETS),
     "vllm:e2e_request_latency_seconds": ("Arrival to finish, seconds.", REQUEST_BUCKETS),
-    "vllm:request_time_per_output_token_seconds": ("A request's mean time between two output tokens (TPOT), "
-                                                   "seconds.", TOKEN_GAP_BUCKETS),
+    "vllm:request_time_per_output_token_seconds": (
+        "A request's mean time between two output tokens (TPOT), seconds.",
+        TOKEN_GAP_BUCKETS,
+    ),
     "vllm:request_prompt_tokens": ("Prompt tokens of a request.", TOKEN_COUNT_BUCKETS),
-    "vllm:request_generation_tokens": ("Tokens generated for a request, all its samples.", TOKEN_COUNT_BUCKETS),
+    "vllm:request_generation_tokens": (
+        "Tokens generated for a request, all its samples.",
+        TOKEN_COUNT_BUCKETS,
+    ),
 }
 
 
 def scheduler_stats(scheduler, spec_stats=None) -> dict[str, int]:
-    """What the gauges show, read from a minicb Scheduler (and the runner's SpecDecodingStats): plain ints, so
-    that an engine running in another process can send them (vLLM's engine core sends its SchedulerStats and
-    SpecDecodingStats the same way). The speculative counters are totals since the engine started."""
+    """What the gauges show, read from a minicb Scheduler (and the runner's SpecDecodingStats):
+    plain ints, so that an engine running in another process can send them (vLLM's engine core sends
+    its SchedulerStats and SpecDecodingStats the same way). The speculative counters are totals
+    since the engine started."""
     bm = scheduler.block_manager
     spec = {f"spec_decode_{k}": getattr(spec_stats, k, 0) for k in SPEC_COUNTERS}
-    return dict(num_requests_running=len(scheduler.running), num_requests_waiting=len(scheduler.waiting),
-                num_requests_swapped=len(scheduler.swapped), kv_blocks_used=bm.num_used_blocks,
-                kv_blocks_free=bm.num_free_blocks, kv_blocks_total=bm.num_blocks, block_size=bm.block_size, **spec)
+    return dict(
+        num_requests_running=len(scheduler.running),
+        num_requests_waiting=len(scheduler.waiting),
+        num_requests_swapped=len(scheduler.swapped),
+        kv_blocks_used=bm.num_used_blocks,
+        kv_blocks_free=bm.num_free_blocks,
+        kv_blocks_total=bm.num_blocks,
+        block_size=bm.block_size,
+        **spec,
+    )
 
 
 def engine_stats(engine) -> dict[str, int]:
@@ -107,11 +198,19 @@ def request_record(out, stream_id: str, received_at: float) -> dict:
     time.perf_counter, TTFT from `received_at` (when the engine loop was handed it) and from the
     engine's arrival, TPOT as the mean gap between its first sample's output tokens."""
     m, sample, t = out.metrics, out.outputs[0], out.metrics.token_times
-    return {"stream_id": stream_id, "request_id": out.request_id, "received": received_at,
-            "arrival": m.arrival_time, "first_token": m.first_token_time, "finish": m.finish_time,
-            "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(sample.token_ids),
-            "ttft_s": None if m.first_token_time is None else m.first_token_time - received_at,
-            "engine_ttft_s": m.ttft, "tpot_s": (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None}
+    return {
+        "stream_id": stream_id,
+        "request_id": out.request_id,
+        "received": received_at,
+        "arrival": m.arrival_time,
+        "first_token": m.first_token_time,
+        "finish": m.finish_time,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "output_tokens": len(sample.token_ids),
+        "ttft_s": None if m.first_token_time is None else m.first_token_time - received_at,
+        "engine_ttft_s": m.ttft,
+        "tpot_s": (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None,
+    }
 
 
 def request_observations(out) -> dict[str, float | None]:
@@ -121,23 +220,25 @@ def request_observations(out) -> dict[str, float | None]:
     t = m.token_times  # when each output token came out
     first, last = (t[0], t[-1]) if t else (None, None)
     since = lambda a, b: b - a if a is not None and b is not None else None
-    return {"vllm:time_to_first_token_seconds": m.ttft,
-            "vllm:request_queue_time_seconds": m.queue_time,
-            "vllm:request_prefill_time_seconds": since(m.first_scheduled_time, first),
-            "vllm:request_decode_time_seconds": since(first, last),
-            "vllm:e2e_request_latency_seconds": since(m.arrival_time, m.finish_time),
-            "vllm:request_time_per_output_token_seconds": mean_gap(first, last, len(t)),
-            "vllm:request_prompt_tokens": len(out.prompt_token_ids),
-            "vllm:request_generation_tokens": sum(len(s.token_ids) for s in out.outputs)}
+    return {
+        "vllm:time_to_first_token_seconds": m.ttft,
+        "vllm:request_queue_time_seconds": m.queue_time,
+        "vllm:request_prefill_time_seconds": since(m.first_scheduled_time, first),
+        "vllm:request_decode_time_seconds": since(first, last),
+        "vllm:e2e_request_latency_seconds": since(m.arrival_time, m.finish_time),
+        "vllm:request_time_per_output_token_seconds": mean_gap(first, last, len(t)),
+        "vllm:request_prompt_tokens": len(out.prompt_token_ids),
+        "vllm:request_generation_tokens": sum(len(s.token_ids) for s in out.outputs),
+    }
 
 
 class ServerMetrics:
     """The server's metrics: written by the engine loop, read by GET /metrics (text()).
 
     Each instance has its own CollectorRegistry instead of prometheus_client's global REGISTRY, so
-    that two servers in one process (the tests start many) never share a value. One lock covers every
-    write and text(), so a reading never shows half of an update (e.g. a request counted as running
-    while its KV blocks are not yet counted as used)."""
+    that two servers in one process (the tests start many) never share a value. One lock covers
+    every write and text(), so a reading never shows half of an update (e.g. a request counted as
+    running while its KV blocks are not yet counted as used)."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name
@@ -158,31 +259,69 @@ class ServerMetrics:
 
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for a slot.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage: used blocks / all blocks (1 = full).")
-        self.cache_config = Gauge("vllm:cache_config_info", "The KV cache's shape, in the labels.",
-                                  ["block_size", "num_gpu_blocks"], registry=reg)
-        self.swapped = gauge("minicb:num_requests_swapped", "Preempted requests whose KV blocks are in CPU memory.")
-        self.blocks = {k: gauge(f"minicb:{k}", f"KV blocks {k.removeprefix('kv_blocks_')}.")
-                       for k in ("kv_blocks_used", "kv_blocks_free", "kv_blocks_total")}
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage: used blocks / all blocks (1 = full)."
+        )
+        self.cache_config = Gauge(
+            "vllm:cache_config_info",
+            "The KV cache's shape, in the labels.",
+            ["block_size", "num_gpu_blocks"],
+            registry=reg,
+        )
+        self.swapped = gauge(
+            "minicb:num_requests_swapped", "Preempted requests whose KV blocks are in CPU memory."
+        )
+        self.blocks = {
+            k: gauge(f"minicb:{k}", f"KV blocks {k.removeprefix('kv_blocks_')}.")
+            for k in ("kv_blocks_used", "kv_blocks_free", "kv_blocks_total")
+        }
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
-        self.preemptions = counter("vllm:num_preemptions", "Requests preempted (by recompute or swap).")
+        self.preemptions = counter(
+            "vllm:num_preemptions", "Requests preempted (by recompute or swap)."
+        )
         self.steps = counter("minicb:engine_steps", "Engine steps run.")
-        self.batch_size = histogram("minicb:batch_size", "Requests (rows) in one engine step.", BATCH_BUCKETS)
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of the requests prefilled.")
-        self.success = Counter("vllm:request_success", "Requests finished, by finish reason.",
-                               label + ["finished_reason"], registry=reg)
+        self.batch_size = histogram(
+            "minicb:batch_size", "Requests (rows) in one engine step.", BATCH_BUCKETS
+        )
+        self.prompt_tokens = counter(
+            "vllm:prompt_tokens", "Prompt tokens of the requests prefilled."
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Requests finished, by finish reason.",
+            label + ["finished_reason"],
+            registry=reg,
+        )
         for reason in FINISH_REASONS:  # every reason is shown from the start, at 0
             self.success.labels(model_name, reason)
-        self.rejections = counter("vllm:admission_rejections", "Requests refused: the server was full (HTTP 503).")
-        self.per_request = {name: histogram(name, doc, buckets) for name, (doc, buckets) in REQUEST_HISTOGRAMS.items()}
-        self.spec = {k: counter(f"vllm:spec_decode_{k}", doc) for k, doc in zip(SPEC_COUNTERS, (
-            "Rows that verified drafts (speculative decoding).", "Draft tokens verified.", "Draft tokens accepted."))}
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two consecutive output tokens, "
-                             "seconds.", TOKEN_GAP_BUCKETS)
+        self.rejections = counter(
+            "vllm:admission_rejections", "Requests refused: the server was full (HTTP 503)."
+        )
+        self.per_request = {
+            name: histogram(name, doc, buckets)
+            for name, (doc, buckets) in REQUEST_HISTOGRAMS.items()
+        }
+        self.spec = {
+            k: counter(f"vllm:spec_decode_{k}", doc)
+            for k, doc in zip(
+                SPEC_COUNTERS,
+                (
+                    "Rows that verified drafts (speculative decoding).",
+                    "Draft tokens verified.",
+                    "Draft tokens accepted.",
+                ),
+            )
+        }
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between two consecutive output tokens, seconds.",
+            TOKEN_GAP_BUCKETS,
+        )
 
     # ------------------------------------------------------------------ written by the engine loop
     def record_step(self, rows: int, new_tokens: int, num_preempted: int = 0) -> None:
-        """One engine step: its batch had `rows` requests, made `new_tokens` tokens, preempted some."""
+        """One engine step: its batch had `rows` requests, made `new_tokens` tokens, preempted
+        some."""
         with self._lock:
             self.steps.inc()
             self.batch_size.observe(rows)
@@ -226,7 +365,10 @@ class ServerMetrics:
             self.kv_usage.set(stats["kv_blocks_used"] / total if total else 0.0)
             self.cache_config.clear()  # one series, with the newest labels
             self.cache_config.labels(str(stats["block_size"]), str(total)).set(1)
-            for key, c in self.spec.items():  # totals in, counters out: add what is new since the last call
+            for (
+                key,
+                c,
+            ) in self.spec.items():  # totals in, counters out: add what is new since the last call
                 c.inc(max(0, stats.get(f"spec_decode_{key}", 0) - self.spec_seen.get(key, 0)))
                 self.spec_seen[key] = stats.get(f"spec_decode_{key}", 0)
 
@@ -237,7 +379,8 @@ class ServerMetrics:
             return generate_latest(self.registry).decode()
 
     def value(self, name: str, **labels: str) -> float | None:
-        """One sample's value as /metrics shows it (e.g. value("minicb:engine_steps_total")), None if absent."""
+        """One sample's value as /metrics shows it (e.g. value("minicb:engine_steps_total")), None
+        if absent."""
         with self._lock:
             return self.registry.get_sample_value(name, {"model_name": self.model_name, **labels})
 
@@ -247,18 +390,22 @@ class ServerMetrics:
 
     def __repr__(self):
         s = self.gauges
-        return (f"ServerMetrics({self.model_name!r}, running={s.get('num_requests_running')}, "
-                f"waiting={s.get('num_requests_waiting')}, kv_blocks_used={s.get('kv_blocks_used')}/"
-                f"{s.get('kv_blocks_total')}, steps={self.num_steps})")
+        return (
+            f"ServerMetrics({self.model_name!r}, running={s.get('num_requests_running')}, "
+            f"waiting={s.get('num_requests_waiting')}, kv_blocks_used={s.get('kv_blocks_used')}/"
+            f"{s.get('kv_blocks_total')}, steps={self.num_steps})"
+        )
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """The samples of a /metrics text, read with prometheus_client's own parser, keyed by sample name
-    and labels, model_name left out: {"vllm:num_requests_running": 2.0,
+    """The samples of a /metrics text, read with prometheus_client's own parser, keyed by sample
+    name and labels, model_name left out: {"vllm:num_requests_running": 2.0,
     'vllm:request_success_total{finished_reason="abort"}': 1.0, ...}."""
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
+            labels = ",".join(
+                f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name"
+            )
             samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return samples

@@ -9,30 +9,46 @@ sampling_params.py). What only holds across fields (best_of equal to n, top_logp
 logprobs) is checked by `sampling_params()`, which raises ValueError naming the field. A field
 minicb does not implement is declared with its OpenAI type and accepted only with its neutral
 value, so a client that sends it gets a 400 that names it instead of silent ignorance.
-Unknown extra fields are ignored, as vLLM does: clients send many newer OpenAI fields.
-(vLLM keeps the same models in vllm/entrypoints/openai/protocol.py.)
+Unknown extra fields are ignored, as vLLM does: clients send many newer OpenAI fields. (vLLM keeps
+the same models in vllm/entrypoints/openai/protocol.py.)
 """
 
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
-from ..sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TOKEN_ID, MAX_TOP_K, SEED_MAX,
-                               SEED_MIN, SamplingParams)
+from ..sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_TOKEN_ID,
+    MAX_TOP_K,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 INT64_MAX = 2**63 - 1
 MAX_N = 128  # OpenAI's bound on n; the engine also refuses more samples than max_num_seqs (400)
-Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number (an int too), never a bool
+# a JSON number (an int too), never a bool
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[StrictStr, Field(min_length=1)]
-NumLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]  # top alternatives per token (vLLM's max_logprobs)
-Penalty = Annotated[Number, Field(ge=-2, le=2)]  # OpenAI's range for presence and frequency penalties
-TokenIdKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,19}$")]  # logit_bias keys: token ids as strings
+# top alternatives per token (vLLM's max_logprobs)
+NumLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
+# OpenAI's range for presence and frequency penalties
+Penalty = Annotated[Number, Field(ge=-2, le=2)]
+# logit_bias keys: token ids as strings
+TokenIdKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,19}$")]
 
 # Fields minicb does not implement: accepted only with the neutral value named here.
-UNSUPPORTED = {"best_of": "null or the value of n; vLLM V1 dropped it", "suffix": "null",
-               "tools": "null or []", "response_format": '{"type": "text"}'}
+UNSUPPORTED = {
+    "best_of": "null or the value of n; vLLM V1 dropped it",
+    "suffix": "null",
+    "tools": "null or []",
+    "response_format": '{"type": "text"}',
+}
 
 
 class OpenAIModel(BaseModel):
@@ -41,7 +57,9 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False  # a last chunk with the token counts
-    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, every chunk carries the counts so far
+    continuous_usage_stats: StrictBool = (
+        False  # vLLM's: with include_usage, every chunk carries the counts so far
+    )
 
 
 class SamplingFields(OpenAIModel):
@@ -49,23 +67,41 @@ class SamplingFields(OpenAIModel):
 
     model: StrictStr | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1  # samples per prompt (choices prompt_index * n + i)
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = (
+        1  # samples per prompt (choices prompt_index * n + i)
+    )
     temperature: Annotated[Number, Field(ge=0)] | None = None  # default 1.0
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1, le=MAX_TOP_K)] | None = None  # vLLM's extension; 0 or -1: off
+    top_k: Annotated[StrictInt, Field(ge=-1, le=MAX_TOP_K)] | None = (
+        None  # vLLM's extension; 0 or -1: off
+    )
     min_p: Annotated[Number, Field(ge=0, le=1)] | None = None  # vLLM's extension
-    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None  # sample i uses seed + i
+    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = (
+        None  # sample i uses seed + i
+    )
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[Number, Field(ge=1 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] | None = None
-    logit_bias: dict[TokenIdKey, Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
-    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] = 0  # vLLM's extension: no EOS before these
+    repetition_penalty: (
+        Annotated[Number, Field(ge=1 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] | None
+    ) = None
+    logit_bias: (
+        dict[TokenIdKey, Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None
+    ) = None
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] = (
+        0  # vLLM's extension: no EOS before these
+    )
     stop: Text | list[Text] | None = None
-    include_stop_str_in_output: StrictBool = False  # vLLM's extension: keep the stop string in the text
+    include_stop_str_in_output: StrictBool = (
+        False  # vLLM's extension: keep the stop string in the text
+    )
     stop_token_ids: list[TokenId] | None = None  # vLLM's extension
     ignore_eos: StrictBool = False  # vLLM's extension: generate exactly max_tokens
-    prompt_logprobs: NumLogprobs | None = None  # vLLM's extension: per prompt token (whole responses only)
-    priority: Annotated[StrictInt, Field(ge=-INT64_MAX, le=INT64_MAX)] = 0  # vLLM's: lowest served first
+    prompt_logprobs: NumLogprobs | None = (
+        None  # vLLM's extension: per prompt token (whole responses only)
+    )
+    priority: Annotated[StrictInt, Field(ge=-INT64_MAX, le=INT64_MAX)] = (
+        0  # vLLM's: lowest served first
+    )
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None  # accepted, unused
@@ -75,24 +111,43 @@ class SamplingFields(OpenAIModel):
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available when streaming (as in vLLM)")
         return dict(
-            max_tokens=max_tokens, n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
-            seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
+            max_tokens=max_tokens,
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
-            min_tokens=self.min_tokens, stop=self.stop or None, include_stop_str_in_output=self.include_stop_str_in_output,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, prompt_logprobs=self.prompt_logprobs)
+            min_tokens=self.min_tokens,
+            stop=self.stop or None,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: text, token ids, or a list of either (several prompts)."""
 
-    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
-    max_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] | None = None  # 0: with echo, the prompt alone
+    prompt: (
+        Text
+        | TokenIds
+        | Annotated[list[Text], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] | None = (
+        None  # 0: with echo, the prompt alone
+    )
     echo: StrictBool = False  # the text (and logprobs) start with the prompt's
     logprobs: NumLogprobs | None = None  # per token: the chosen token's plus this many top ones
-    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None  # only null or n (see UNSUPPORTED)
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = (
+        None  # only null or n (see UNSUPPORTED)
+    )
     suffix: None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -101,19 +156,30 @@ class CompletionRequest(SamplingFields):
 
     @property
     def prompt_only(self) -> bool:
-        """max_tokens 0 with echo: the engine samples one token (it needs one), the reply drops it."""
+        """max_tokens 0 with echo: the engine samples one token (it needs one), the reply drops
+        it."""
         return self.max_tokens == 0
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams (raises ValueError, naming the field, for what it refuses)."""
+        """The engine's SamplingParams (raises ValueError, naming the field, for what it
+        refuses)."""
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of is not supported by minicb (only {UNSUPPORTED['best_of']}), got {self.best_of}")
+            raise ValueError(
+                f"best_of is not supported by minicb (only {UNSUPPORTED['best_of']}), got "
+                f"{self.best_of}"
+            )
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo: the prompt alone)")
+            raise ValueError(
+                "max_tokens must be at least 1 (0 is allowed only with echo: the prompt alone)"
+            )
         if self.max_tokens == 0 and self.min_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens (0), got {self.min_tokens}")
-        fields = self.sampling_fields(1 if self.prompt_only else self.max_tokens or default_max_tokens)
-        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs come from prefill
+        fields = self.sampling_fields(
+            1 if self.prompt_only else self.max_tokens or default_max_tokens
+        )
+        if (
+            self.echo and self.logprobs is not None
+        ):  # the echoed prompt's logprobs come from prefill
             fields["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return SamplingParams(**fields, logprobs=self.logprobs)
 
@@ -129,14 +195,18 @@ class ChatMessage(OpenAIModel):
     name: StrictStr | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
 
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. Only text content; the model's chat template renders it."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None  # the newer name
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = (
+        None  # the newer name
+    )
     logprobs: StrictBool | None = None  # each generated token's logprob
     top_logprobs: NumLogprobs | None = None  # and this many top alternatives (needs logprobs: true)
     tools: Annotated[list[dict], Field(max_length=0)] | None = None
@@ -146,7 +216,7 @@ class ChatCompletionRequest(SamplingFields):
     @classmethod
     def _text_only(cls, v):
         if v not in (None, {"type": "text"}):
-            raise ValueError("only {\"type\": \"text\"} is supported by minicb")
+            raise ValueError('only {"type": "text"} is supported by minicb')
         return v
 
     @property
@@ -157,7 +227,8 @@ class ChatCompletionRequest(SamplingFields):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true (as in OpenAI's API)")
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens  # the newer name wins
+        # the newer name wins
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         return SamplingParams(**self.sampling_fields(max_tokens), logprobs=self.num_top_logprobs)
 
 
@@ -180,7 +251,8 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's completions format: one entry per token (the echoed prompt's first, then the generated)."""
+    """OpenAI's completions format: one entry per token (the echoed prompt's first, then the
+    generated)."""
 
     tokens: list[str]  # each token's text
     token_logprobs: list[float | None]  # null for the first prompt token, which nothing predicts
@@ -210,7 +282,8 @@ class PromptLogprob(BaseModel):  # vLLM's Logprob
     decoded_token: str | None
 
 
-PromptLogprobs = list[dict[str, PromptLogprob] | None]  # vLLM's: one per prompt token, keyed by token id
+# vLLM's: one per prompt token, keyed by token id
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class Choice(BaseModel):

@@ -32,7 +32,26 @@ from .slots import compare_slot_occupancy, slot_occupancy, utilization_curves
 from .style import CACHED, request_colors
 from .widgets import step_through
 
-__all__ = ["Trace", "CACHED", "EVENTS", "BlockView", "block_views", "memory_map", "block_grid",
-           "slot_occupancy", "compare_slot_occupancy", "utilization_curves", "request_timeline",
-           "latency_distributions", "curves", "bars", "request_colors", "step_through", "KINDS", "block_kinds",
-           "count_kinds", "fork_map", "engine_core_processes"]
+__all__ = [
+    "Trace",
+    "CACHED",
+    "EVENTS",
+    "BlockView",
+    "block_views",
+    "memory_map",
+    "block_grid",
+    "slot_occupancy",
+    "compare_slot_occupancy",
+    "utilization_curves",
+    "request_timeline",
+    "latency_distributions",
+    "curves",
+    "bars",
+    "request_colors",
+    "step_through",
+    "KINDS",
+    "block_kinds",
+    "count_kinds",
+    "fork_map",
+    "engine_core_processes",
+]

@@ -20,8 +20,12 @@ from ..config import cdiv
 from ..trace import Trace
 from .style import CACHED, IDLE, frame_step, new_axes, step_record, steps_extent, trace_colors
 
-EVENTS = {"preempted": ("v", "#d62728", "preempted (recompute)"), "swapped_out": ("v", "#9467bd", "swapped out"),
-          "swapped_in": ("^", "#2ca02c", "swapped in")}  # StepRecord field -> (marker, colour, legend label)
+# StepRecord field -> (marker, colour, legend label)
+EVENTS = {
+    "preempted": ("v", "#d62728", "preempted (recompute)"),
+    "swapped_out": ("v", "#9467bd", "swapped out"),
+    "swapped_in": ("^", "#2ca02c", "swapped in"),
+}
 
 
 @dataclass
@@ -39,7 +43,8 @@ def block_views(trace: Trace) -> list[BlockView]:
     last time a request held it (the block manager registers exactly those; it keeps only the first
     copy when two requests compute the same prefix at once, which this cannot see)."""
     bs, computed, full, views = trace.block_size, {}, {}, []
-    any_cache = any(rec.num_cached_blocks for rec in trace.steps)  # prefix caching off: nothing is cached
+    # prefix caching off: nothing is cached
+    any_cache = any(rec.num_cached_blocks for rec in trace.steps)
     for rec in trace.steps:
         for r in rec.rows:
             computed[r.request_id] = r.start + r.num_tokens
@@ -69,14 +74,26 @@ def _events(ax, trace):
     for name, (marker, color, label) in EVENTS.items():
         xs = [rec.step for rec in trace.steps if getattr(rec, name)]
         if xs:
-            ax.plot(xs, [1.02] * len(xs), marker, color=color, transform=ax.get_xaxis_transform(),
-                    clip_on=False, markersize=6)
+            ax.plot(
+                xs,
+                [1.02] * len(xs),
+                marker,
+                color=color,
+                transform=ax.get_xaxis_transform(),
+                clip_on=False,
+                markersize=6,
+            )
             handles.append(Line2D([], [], marker=marker, color=color, linestyle="", label=label))
     return handles
 
 
-def memory_map(trace: Trace, title: str | None = None, ax=None, max_blocks: int | None = None,
-               highlight_step: int | None = None):
+def memory_map(
+    trace: Trace,
+    title: str | None = None,
+    ax=None,
+    max_blocks: int | None = None,
+    highlight_step: int | None = None,
+):
     """Blocks x steps: colour = owning request (pale = block partly filled), dots = shared block,
     grey = free but still caching a prefix, white = free. Markers on top: preemptions and swaps."""
     views, colors, bs = block_views(trace), trace_colors(trace), trace.block_size
@@ -90,7 +107,8 @@ def memory_map(trace: Trace, title: str | None = None, ax=None, max_blocks: int 
         for b, rids in v.owners.items():
             if b < n:
                 img[b, j] = colors.get(rids[0], CACHED)
-                img[b, j, 3] = 0.3 + 0.7 * v.filled[b] / bs  # over white: pale = reserved, not yet written
+                # over white: pale = reserved, not yet written
+                img[b, j, 3] = 0.3 + 0.7 * v.filled[b] / bs
                 if len(rids) > 1:
                     shared.append((v.step, b))
     ax.imshow(img, aspect="auto", interpolation="nearest", extent=steps_extent(trace, n))
@@ -99,11 +117,16 @@ def memory_map(trace: Trace, title: str | None = None, ax=None, max_blocks: int 
     frame_step(ax, highlight_step)
     handles = [Patch(facecolor=colors[rid], label=f"held by {rid}") for rid in list(colors)[:8]]
     pale = (*next(iter(colors.values()), (0.5, 0.5, 0.5))[:3], 0.35)
-    handles += [Patch(facecolor=pale, label="partly filled (pale)"),
-                Patch(facecolor=CACHED, label="free, prefix cached"), Patch(facecolor="white", edgecolor="gray",
-                label="free"), Line2D([], [], marker=".", color="black", linestyle="", label="shared (ref > 1)")]
+    handles += [
+        Patch(facecolor=pale, label="partly filled (pale)"),
+        Patch(facecolor=CACHED, label="free, prefix cached"),
+        Patch(facecolor="white", edgecolor="gray", label="free"),
+        Line2D([], [], marker=".", color="black", linestyle="", label="shared (ref > 1)"),
+    ]
     handles += _events(ax, trace)
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    ax.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False
+    )
     ax.set(xlabel="step", ylabel="KV block id")
     ax.set_title(title or f"KV memory map ({trace.num_blocks} blocks of {bs} tokens)", pad=14)
     if own:
@@ -111,9 +134,16 @@ def memory_map(trace: Trace, title: str | None = None, ax=None, max_blocks: int 
     return fig
 
 
-def block_grid(trace: Trace, step: int | None, title: str | None = None, ax=None,
-               max_blocks: int | None = None, ncols: int | None = None):
-    """The block pool during `step` as a grid: owner colour and id, fill level, ref count > 1 framed."""
+def block_grid(
+    trace: Trace,
+    step: int | None,
+    title: str | None = None,
+    ax=None,
+    max_blocks: int | None = None,
+    ncols: int | None = None,
+):
+    """The block pool during `step` as a grid: owner colour and id, fill level, ref count > 1
+    framed."""
     views, colors, bs = block_views(trace), trace_colors(trace), trace.block_size
     rec = step_record(trace, step)
     v = views[trace.steps.index(rec)]
@@ -130,26 +160,63 @@ def block_grid(trace: Trace, step: int | None, title: str | None = None, ax=None
             ax.add_patch(Rectangle((x, y), v.filled[b] / bs, 1, facecolor=c, edgecolor="none"))
             label = "+".join(rids) if len(rids) < 4 else f"{rids[0]}+{len(rids) - 1}"
             if n <= 128:
-                ax.text(x + 0.5, y + 0.55, label + (f"\nref {len(rids)}" if len(rids) > 1 else ""),
-                        ha="center", va="center", fontsize=7)
+                ax.text(
+                    x + 0.5,
+                    y + 0.55,
+                    label + (f"\nref {len(rids)}" if len(rids) > 1 else ""),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                )
         face = CACHED if b in v.cached else "none"
         shared = rids is not None and len(rids) > 1
-        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=face, edgecolor="black" if shared else "0.6",
-                               linewidth=2.5 if shared else 0.6, zorder=3 if shared else 2))
+        ax.add_patch(
+            Rectangle(
+                (x, y),
+                1,
+                1,
+                facecolor=face,
+                edgecolor="black" if shared else "0.6",
+                linewidth=2.5 if shared else 0.6,
+                zorder=3 if shared else 2,
+            )
+        )
         if n <= 128:
-            ax.text(x + 0.05, y + 0.05, f"#{b}", ha="left", va="top", fontsize=6.5, zorder=4,
-                    bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.7))
+            ax.text(
+                x + 0.05,
+                y + 0.05,
+                f"#{b}",
+                ha="left",
+                va="top",
+                fontsize=6.5,
+                zorder=4,
+                bbox=dict(
+                    boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.7
+                ),
+            )
     ax.set_xlim(-0.05, ncols + 0.05)
     ax.set_ylim(nrows + 0.05, -0.05)
     ax.set_aspect("equal")
     ax.axis("off")
     used, nshared = len(v.owners), sum(len(r) > 1 for r in v.owners.values())
-    ax.set_title(title or f"KV blocks in step {rec.step}: {used} held ({nshared} shared), {len(v.cached)} "
-                 f"free+cached, {trace.num_blocks - used - len(v.cached)} free", fontsize=10)
-    ax.legend(handles=[Patch(facecolor="0.5", label="tokens written"), Patch(facecolor="0.85", label="reserved"),
-                       Patch(facecolor="white", edgecolor="black", linewidth=2, label="shared (ref > 1)"),
-                       Patch(facecolor=CACHED, edgecolor="0.6", label="free, prefix cached")],
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    ax.set_title(
+        title
+        or f"KV blocks in step {rec.step}: {used} held ({nshared} shared), {len(v.cached)} "
+        f"free+cached, {trace.num_blocks - used - len(v.cached)} free",
+        fontsize=10,
+    )
+    ax.legend(
+        handles=[
+            Patch(facecolor="0.5", label="tokens written"),
+            Patch(facecolor="0.85", label="reserved"),
+            Patch(facecolor="white", edgecolor="black", linewidth=2, label="shared (ref > 1)"),
+            Patch(facecolor=CACHED, edgecolor="0.6", label="free, prefix cached"),
+        ],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize=8,
+        frameon=False,
+    )
     if own:
         fig.tight_layout()
     return fig

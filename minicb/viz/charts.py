@@ -32,15 +32,18 @@ def _running_states(trace: Trace | None) -> dict[str, dict[int, str]] | None:
     states: dict[str, dict[int, str]] = {}
     for rec in trace.steps:
         for row in rec.rows:
-            states.setdefault(row.request_id, {})[rec.step] = "prefill" if row.is_prefill else "decode"
+            states.setdefault(row.request_id, {})[rec.step] = (
+                "prefill" if row.is_prefill else "decode"
+            )
     return states
 
 
 def _phases(r, i, states):
     """(request id, [(state, first step, last step), ...]) of one request."""
     rid = str(_field(r, "request_id") if _field(r, "request_id") is not None else i)
-    arrive, admit, first, finish = (_field(r, k) for k in ("arrival_step", "admitted_step",
-                                                           "first_token_step", "finish_step"))
+    arrive, admit, first, finish = (
+        _field(r, k) for k in ("arrival_step", "admitted_step", "first_token_step", "finish_step")
+    )
     arrive = max(arrive or 1, 1)
     if states is None:  # from the four step numbers alone
         spans = [("waiting", arrive, (admit or finish or arrive) - 1)]
@@ -71,24 +74,43 @@ def request_timeline(requests, title: str | None = None, ax=None, trace: Trace |
         labels.append(rid)
         for state, a, b in spans:  # steps a..b: a bar from a - 0.5 to b + 0.5, centred on the steps
             used.add(state)
-            ax.broken_barh([(a - 0.5, b - a + 1)], (i - 0.4, 0.8), facecolors=PHASES[state],
-                           hatch="//" if state == "paused" else None, edgecolor="white", linewidth=0.3)
+            ax.broken_barh(
+                [(a - 0.5, b - a + 1)],
+                (i - 0.4, 0.8),
+                facecolors=PHASES[state],
+                hatch="//" if state == "paused" else None,
+                edgecolor="white",
+                linewidth=0.3,
+            )
         if (_field(r, "num_preemptions") or 0) and states is None and spans:
-            ax.text(spans[-1][2] + 1, i, f"preempted x{_field(r, 'num_preemptions')}", va="center", fontsize=7)
+            ax.text(
+                spans[-1][2] + 1,
+                i,
+                f"preempted x{_field(r, 'num_preemptions')}",
+                va="center",
+                fontsize=7,
+            )
     ax.set_yticks(range(len(labels)), labels if len(labels) <= 40 else [""] * len(labels))
     ax.set_ylim(len(labels) - 0.5, -0.5)
     ax.set(xlabel="step", ylabel="request")
-    ax.legend(handles=[Patch(facecolor=c, label=k) for k, c in PHASES.items() if k in used],
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    ax.legend(
+        handles=[Patch(facecolor=c, label=k) for k, c in PHASES.items() if k in used],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize=8,
+        frameon=False,
+    )
     ax.set_title(title or "Request timeline")
     if own:
         fig.tight_layout()
     return fig
 
 
-def latency_distributions(samples: dict[str, dict[str, list[float]]], title: str | None = None,
-                          unit: str = "steps"):
-    """{run label: {metric: values}} -> one panel of CDFs per metric (TTFT, TPOT, ...), p50/p99 in the legend."""
+def latency_distributions(
+    samples: dict[str, dict[str, list[float]]], title: str | None = None, unit: str = "steps"
+):
+    """{run label: {metric: values}} -> one panel of CDFs per metric (TTFT, TPOT, ...), p50/p99 in
+    the legend."""
     metrics = list(dict.fromkeys(m for per_run in samples.values() for m in per_run))
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.8 * len(metrics), 3.6), squeeze=False)
     plt.close(fig)
@@ -96,9 +118,18 @@ def latency_distributions(samples: dict[str, dict[str, list[float]]], title: str
         for label, per_run in samples.items():
             xs = sorted(x for x in per_run.get(metric, ()) if x is not None)
             if xs:  # the CDF starts at 0 on the smallest sample and climbs 1/n at each one
-                ax.step([xs[0], *xs], np.arange(len(xs) + 1) / len(xs), where="post",
-                        label=f"{label} (p50 {percentile(xs, 50):.3g}, p99 {percentile(xs, 99):.3g})")
-        ax.set(xlabel=f"{metric} ({unit})", ylabel="fraction of samples <= x", ylim=(0, 1.02), title=metric)
+                ax.step(
+                    [xs[0], *xs],
+                    np.arange(len(xs) + 1) / len(xs),
+                    where="post",
+                    label=f"{label} (p50 {percentile(xs, 50):.3g}, p99 {percentile(xs, 99):.3g})",
+                )
+        ax.set(
+            xlabel=f"{metric} ({unit})",
+            ylabel="fraction of samples <= x",
+            ylim=(0, 1.02),
+            title=metric,
+        )
         ax.legend(fontsize=8, loc="lower right")
     if title:
         fig.suptitle(title)
@@ -106,9 +137,18 @@ def latency_distributions(samples: dict[str, dict[str, list[float]]], title: str
     return fig
 
 
-def curves(x, ys: dict[str, list[float]], xlabel: str, ylabel: str, title: str | None = None, ax=None,
-           logx: bool = False, logy: bool = False):
-    """Lines y(x), one per label: for the notebooks' models (throughput vs batch size, waste vs block size)."""
+def curves(
+    x,
+    ys: dict[str, list[float]],
+    xlabel: str,
+    ylabel: str,
+    title: str | None = None,
+    ax=None,
+    logx: bool = False,
+    logy: bool = False,
+):
+    """Lines y(x), one per label: for the notebooks' models (throughput vs batch size, waste vs
+    block size)."""
     fig, ax, own = new_axes(ax, (7, 4))
     for label, y in ys.items():
         ax.plot(x, y, marker="o", markersize=3.5, label=label)
@@ -125,12 +165,21 @@ def curves(x, ys: dict[str, list[float]], xlabel: str, ylabel: str, title: str |
     return fig
 
 
-def bars(values: dict[str, float] | dict[str, dict[str, float]], ylabel: str, title: str | None = None,
-         ax=None, fmt: str = "{:.4g}", logy: bool = False):
-    """Bars with their values written on top; a dict of dicts gives groups ({group: {series: v}})."""
+def bars(
+    values: dict[str, float] | dict[str, dict[str, float]],
+    ylabel: str,
+    title: str | None = None,
+    ax=None,
+    fmt: str = "{:.4g}",
+    logy: bool = False,
+):
+    """Bars with their values written on top; a dict of dicts gives groups ({group: {series:
+    v}})."""
     groups = {k: (v if isinstance(v, dict) else {"": v}) for k, v in values.items()}
     series = list(dict.fromkeys(s for g in groups.values() for s in g))
-    fig, ax, own = new_axes(ax, (min(11, max(5, 1 + len(groups) * (1.2 + 0.6 * (len(series) - 1)))), 4))
+    fig, ax, own = new_axes(
+        ax, (min(11, max(5, 1 + len(groups) * (1.2 + 0.6 * (len(series) - 1)))), 4)
+    )
     width = 0.8 / len(series)  # the series of a group side by side within 0.8 of the group's slot
     for j, s in enumerate(series):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]

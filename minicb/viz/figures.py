@@ -5,9 +5,9 @@ rebuilt alone (`python -m minicb figures --only NAME`) and a notebook can draw t
 (`FIGURES["nb00_static_vs_continuous"]()`). All of them come from the simulator, from arithmetic
 on published model configs, from data written out by hand (notebook 10's diagram, viz/processes.py),
 or from measurements stored beside them (gpu_h200: figures/gpu_h200_2026-11-26.jsonl, written by
-`python -m minicb.bench.w2 --json` on a GPU): no model is loaded, and the whole set takes a few seconds.
-Notebook 02's figures are made in figures_blocks.py. The demo's figures come from `python -m minicb demo`,
-the benchmark's from `python -m minicb bench`.
+`python -m minicb.bench.w2 --json` on a GPU): no model is loaded, and the whole set takes a few
+seconds. Notebook 02's figures are made in figures_blocks.py. The demo's figures come from `python
+-m minicb demo`, the benchmark's from `python -m minicb bench`.
 """
 
 import math
@@ -22,7 +22,8 @@ from .figures_blocks import parallel_sampling, prefix_sharing_grid, prefix_shari
 from .processes import engine_core_processes
 
 BURNERS = tuple(zip("ABCDEF", (4, 4, 10, 10, 4, 4)))  # keep-the-burners-busy.txt, section 3
-ABCD = (("A", 5), ("B", 200), ("C", 3), ("D", 150), ("E", 4), ("F", 6))  # iteration-level-scheduling.txt
+# iteration-level-scheduling.txt
+ABCD = (("A", 5), ("B", 200), ("C", 3), ("D", 150), ("E", 4), ("F", 6))
 
 
 def _burners(batching: str):
@@ -31,20 +32,30 @@ def _burners(batching: str):
 
 
 def worked_example(batching: str):
-    """The reading's example: 4 slots, outputs of 4, 4, 10, 10 tokens, two 4-token requests waiting."""
+    """The reading's example: 4 slots, outputs of 4, 4, 10, 10 tokens, two 4-token requests
+    waiting."""
     res = _burners(batching)
-    return viz.slot_occupancy(res.trace, title=f"{batching} batching: all six done after {res.num_steps} steps")
+    return viz.slot_occupancy(
+        res.trace, title=f"{batching} batching: all six done after {res.num_steps} steps"
+    )
 
 
 def static_vs_continuous():
-    return viz.compare_slot_occupancy({b: _burners(b).trace for b in ("static", "continuous")},
-                                      title="4 slots, outputs 4, 4, 10, 10 + two 4-token requests waiting")
+    return viz.compare_slot_occupancy(
+        {b: _burners(b).trace for b in ("static", "continuous")},
+        title="4 slots, outputs 4, 4, 10, 10 + two 4-token requests waiting",
+    )
 
 
 def abcd_timeline():
     reqs = [SimRequest(prompt_len=3, output_len=n, request_id=rid) for rid, n in ABCD]
-    runs = {b: simulate(reqs, EngineConfig(max_num_seqs=4, batching=b)).trace for b in ("static", "continuous")}
-    return viz.compare_slot_occupancy(runs, title="A=5, B=200, C=3, D=150 tokens in 4 slots; E=4, F=6 waiting")
+    runs = {
+        b: simulate(reqs, EngineConfig(max_num_seqs=4, batching=b)).trace
+        for b in ("static", "continuous")
+    }
+    return viz.compare_slot_occupancy(
+        runs, title="A=5, B=200, C=3, D=150 tokens in 4 slots; E=4, F=6 waiting"
+    )
 
 
 # --- notebook 00: the decode roofline and the "500 vs ~120 steps" claim
@@ -66,13 +77,21 @@ def relative_decode_throughput(batch: int, context_len: int, model=LLAMA2_7B) ->
 
 def batch_throughput():
     batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    cases = {"weights only (no KV)": (0, LLAMA2_7B), "Llama-2-7B, 1K-token context": (1000, LLAMA2_7B),
-             "Llama-2-7B, 4K-token context": (4000, LLAMA2_7B), "Llama-3-8B (GQA), 1K": (1000, LLAMA3_8B)}
-    return viz.curves(batches, {k: [relative_decode_throughput(b, L, m) for b in batches]
-                                for k, (L, m) in cases.items()},
-                      "batch size (running requests)", "decode throughput relative to batch 1",
-                      title="Memory-bound decode on an H100: a step reads the weights once per batch",
-                      logx=True, logy=True)
+    cases = {
+        "weights only (no KV)": (0, LLAMA2_7B),
+        "Llama-2-7B, 1K-token context": (1000, LLAMA2_7B),
+        "Llama-2-7B, 4K-token context": (4000, LLAMA2_7B),
+        "Llama-3-8B (GQA), 1K": (1000, LLAMA3_8B),
+    }
+    return viz.curves(
+        batches,
+        {k: [relative_decode_throughput(b, L, m) for b in batches] for k, (L, m) in cases.items()},
+        "batch size (running requests)",
+        "decode throughput relative to batch 1",
+        title="Memory-bound decode on an H100: a step reads the weights once per batch",
+        logx=True,
+        logy=True,
+    )
 
 
 def _with_mean_50(xs):
@@ -87,14 +106,21 @@ def _hundred_requests():
     rng = random.Random(0)
     uniform = list(range(1, 100)) + [50]
     rng.shuffle(uniform)
-    return {"all 50": [50] * 100, "uniform 1..99": uniform,
-            "exponential\nmean 50": _with_mean_50([rng.expovariate(1) for _ in range(100)]),
-            "1 in 10 is 275,\nrest 25": ([275] + [25] * 9) * 10, "1 in 10 is 50,\nrest 8": ([50] + [8] * 9) * 10}
+    return {
+        "all 50": [50] * 100,
+        "uniform 1..99": uniform,
+        "exponential\nmean 50": _with_mean_50([rng.expovariate(1) for _ in range(100)]),
+        "1 in 10 is 275,\nrest 25": ([275] + [25] * 9) * 10,
+        "1 in 10 is 50,\nrest 8": ([50] + [8] * 9) * 10,
+    }
 
 
 def _static_and_continuous(outputs, slots=10):
     reqs = [SimRequest(prompt_len=8, output_len=n) for n in outputs]
-    return {b: simulate(reqs, EngineConfig(max_num_seqs=slots, batching=b)) for b in ("static", "continuous")}
+    return {
+        b: simulate(reqs, EngineConfig(max_num_seqs=slots, batching=b))
+        for b in ("static", "continuous")
+    }
 
 
 def speedup_by_distribution():
@@ -102,69 +128,115 @@ def speedup_by_distribution():
     for name, outs in _hundred_requests().items():
         runs = _static_and_continuous(outs)
         steps[name] = {b: r.num_steps for b, r in runs.items()}
-        steps[name]["lower bound: max(tokens / slots, longest)"] = max(math.ceil(sum(outs) / 10), max(outs))
-    return viz.bars(steps, "steps to finish all 100 requests",
-                    title="100 requests, 10 slots: static vs continuous batching by output-length distribution")
+        steps[name]["lower bound: max(tokens / slots, longest)"] = max(
+            math.ceil(sum(outs) / 10), max(outs)
+        )
+    return viz.bars(
+        steps,
+        "steps to finish all 100 requests",
+        title="100 requests, 10 slots: static vs continuous batching by output-length distribution",
+    )
 
 
 def utilization_exponential():
     runs = _static_and_continuous(_hundred_requests()["exponential\nmean 50"])
-    return viz.utilization_curves({b: r.trace for b, r in runs.items()},
-                                  title="100 requests, exponential lengths (mean 50), 10 slots")
+    return viz.utilization_curves(
+        {b: r.trace for b, r in runs.items()},
+        title="100 requests, exponential lengths (mean 50), 10 slots",
+    )
 
 
 # --- notebook 01: KV memory
 KIB = 2**10
-CPU_KV_CACHE_BYTES = 512 * 2**20  # minicb.engine.DEFAULT_KV_CACHE_BYTES (the engine would load the model code)
-CONFIGS = {"SmolLM2-135M": (30, 9, 3, 576), "Llama-2-7B": (32, 32, 32, 4096),  # (layers, heads, KV heads, hidden)
-           "Llama-3-8B": (32, 32, 8, 4096), "Llama-2-70B": (80, 64, 8, 8192)}  # from the published configs
+# minicb.engine.llm_engine.DEFAULT_KV_CACHE_BYTES (the engine would load the model code)
+CPU_KV_CACHE_BYTES = 512 * 2**20
+# from the published configs
+CONFIGS = {
+    "SmolLM2-135M": (30, 9, 3, 576),
+    "Llama-2-7B": (32, 32, 32, 4096),  # (layers, heads, KV heads, hidden)
+    "Llama-3-8B": (32, 32, 8, 4096),
+    "Llama-2-70B": (80, 64, 8, 8192),
+}
 
 
 def kv_bytes(config: tuple[int, int, int, int], dtype: str = "float16") -> int:
-    """K and V bytes per token of a (layers, heads, kv_heads, hidden) config, as the engine counts them."""
+    """K and V bytes per token of a (layers, heads, kv_heads, hidden) config, as the engine counts
+    them."""
     import torch  # the byte size of a dtype; only the figures that count bytes load it
-    from ..kv_cache import kv_bytes_per_token
+
+    from ..model_executor.hf_config import kv_bytes_per_token
 
     layers, heads, kv_heads, hidden = config
-    hf_config = SimpleNamespace(num_hidden_layers=layers, num_attention_heads=heads,
-                                num_key_value_heads=kv_heads, hidden_size=hidden)
+    hf_config = SimpleNamespace(
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_size=hidden,
+    )
     return kv_bytes_per_token(hf_config, getattr(torch, dtype))
 
 
 def paged_memory_map():
-    reqs = [SimRequest(p, o) for p, o in ((6, 10), (3, 4), (9, 14), (2, 6), (5, 3), (7, 8), (4, 12))]
-    res = simulate(reqs, EngineConfig(max_num_seqs=3, block_size=4, num_blocks=16, enable_prefix_caching=False))
-    return viz.memory_map(res.trace, title="Paged KV memory: 7 requests, 3 slots, 16 blocks of 4 tokens")
+    reqs = [
+        SimRequest(p, o) for p, o in ((6, 10), (3, 4), (9, 14), (2, 6), (5, 3), (7, 8), (4, 12))
+    ]
+    res = simulate(
+        reqs, EngineConfig(max_num_seqs=3, block_size=4, num_blocks=16, enable_prefix_caching=False)
+    )
+    return viz.memory_map(
+        res.trace, title="Paged KV memory: 7 requests, 3 slots, 16 blocks of 4 tokens"
+    )
 
 
 def kv_bytes_per_token_figure():
     values = {name: kv_bytes(c) / KIB for name, c in CONFIGS.items()}
     values["Llama-2-70B\nwithout GQA"] = kv_bytes((80, 64, 64, 8192)) / KIB
-    return viz.bars(values, "KiB of K and V per token (fp16)", fmt="{:.0f}",
-                    title="KV cache per token: 2 x layers x kv_heads x head_dim x 2 bytes")
+    return viz.bars(
+        values,
+        "KiB of K and V per token (fp16)",
+        fmt="{:.0f}",
+        title="KV cache per token: 2 x layers x kv_heads x head_dim x 2 bytes",
+    )
 
 
 def reservation_waste():
     used = {"A (500 tokens)": 500, "B (50 tokens)": 50}
-    return viz.bars({k: {"contiguous 8K reservation": 8000, "paged, 16-token blocks": cdiv(n, 16) * 16,
-                         "tokens stored": n} for k, n in used.items()},
-                    "KV token positions (log scale)", logy=True,
-                    title="Reserved vs used KV token positions (iteration-level-scheduling example)")
+    return viz.bars(
+        {
+            k: {
+                "contiguous 8K reservation": 8000,
+                "paged, 16-token blocks": cdiv(n, 16) * 16,
+                "tokens stored": n,
+            }
+            for k, n in used.items()
+        },
+        "KV token positions (log scale)",
+        logy=True,
+        title="Reserved vs used KV token positions (iteration-level-scheduling example)",
+    )
 
 
 def _fit_workload():
     rng = random.Random(1)
-    return [SimRequest(prompt_len=rng.randint(100, 600), output_len=rng.randint(50, 400)) for _ in range(60)]
+    return [
+        SimRequest(prompt_len=rng.randint(100, 600), output_len=rng.randint(50, 400))
+        for _ in range(60)
+    ]
 
 
 def requests_that_fit():
-    num_blocks = CPU_KV_CACHE_BYTES // (kv_bytes(CONFIGS["SmolLM2-135M"], "float32") * 16)  # the CPU default
+    # the CPU default
+    num_blocks = CPU_KV_CACHE_BYTES // (kv_bytes(CONFIGS["SmolLM2-135M"], "float32") * 16)
     common = dict(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=2048)
-    runs = {"contiguous (2048-token reservation each: 5 slots)": EngineConfig(max_num_seqs=5, **common),
-            "paged (up to 64 slots)": EngineConfig(max_num_seqs=64, **common)}
-    return viz.utilization_curves({k: simulate(_fit_workload(), c).trace for k, c in runs.items()},
-                                  title=f"60 requests, {num_blocks} KV blocks of 16 tokens (512 MiB of SmolLM2)",
-                                  normalize=False)
+    runs = {
+        "contiguous (2048-token reservation each: 5 slots)": EngineConfig(max_num_seqs=5, **common),
+        "paged (up to 64 slots)": EngineConfig(max_num_seqs=64, **common),
+    }
+    return viz.utilization_curves(
+        {k: simulate(_fit_workload(), c).trace for k, c in runs.items()},
+        title=f"60 requests, {num_blocks} KV blocks of 16 tokens (512 MiB of SmolLM2)",
+        normalize=False,
+    )
 
 
 def fragmentation():
@@ -175,50 +247,82 @@ def fragmentation():
         alloc = sum(cdiv(n, bs) * bs for n in lengths)
         return 100 * (alloc - sum(lengths)) / alloc
 
-    return viz.curves(sizes, {"workload of notebook 01 (100-1000 tokens)": [waste(lens, b) for b in sizes],
-                              "short chats (20-120 tokens)": [waste(range(20, 121), b) for b in sizes]},
-                      "block_size (tokens)", "% of allocated KV positions left empty", logx=True,
-                      title="Internal fragmentation: the unfilled tail of each request's last block")
+    return viz.curves(
+        sizes,
+        {
+            "workload of notebook 01 (100-1000 tokens)": [waste(lens, b) for b in sizes],
+            "short chats (20-120 tokens)": [waste(range(20, 121), b) for b in sizes],
+        },
+        "block_size (tokens)",
+        "% of allocated KV positions left empty",
+        logx=True,
+        title="Internal fragmentation: the unfilled tail of each request's last block",
+    )
 
 
 # --- notebook 03: the scheduler
 def _policy_runs():
-    reqs = ([SimRequest(prompt_len=8, output_len=60, request_id="L")]
-            + [SimRequest(prompt_len=8, output_len=5, request_id=f"s{i}") for i in range(8)]
-            + [SimRequest(prompt_len=8, output_len=20, request_id="M")])
-    return {p: simulate(reqs, EngineConfig(max_num_seqs=2, scheduling_policy=p)) for p in ("fcfs", "sjf")}
+    reqs = (
+        [SimRequest(prompt_len=8, output_len=60, request_id="L")]
+        + [SimRequest(prompt_len=8, output_len=5, request_id=f"s{i}") for i in range(8)]
+        + [SimRequest(prompt_len=8, output_len=20, request_id="M")]
+    )
+    return {
+        p: simulate(reqs, EngineConfig(max_num_seqs=2, scheduling_policy=p))
+        for p in ("fcfs", "sjf")
+    }
 
 
 def policies():
-    return viz.compare_slot_occupancy({p: r.trace for p, r in _policy_runs().items()},
-                                      title="2 slots: one 60-token request, eight of 5 tokens, one of 20")
+    return viz.compare_slot_occupancy(
+        {p: r.trace for p, r in _policy_runs().items()},
+        title="2 slots: one 60-token request, eight of 5 tokens, one of 20",
+    )
 
 
 def policy_latency():
-    return viz.latency_distributions({p: {"TTFT": [q.ttft_steps for q in r.requests],
-                                          "latency": [q.latency_steps for q in r.requests]}
-                                      for p, r in _policy_runs().items()},
-                                     title="FCFS vs shortest-job-first (same 10 requests, 2 slots)")
+    return viz.latency_distributions(
+        {
+            p: {
+                "TTFT": [q.ttft_steps for q in r.requests],
+                "latency": [q.latency_steps for q in r.requests],
+            }
+            for p, r in _policy_runs().items()
+        },
+        title="FCFS vs shortest-job-first (same 10 requests, 2 slots)",
+    )
 
 
 def _late_arrivals(batching):
-    reqs = [SimRequest(6, 20, request_id="A"), SimRequest(6, 6, request_id="B"), SimRequest(6, 12, request_id="C"),
-            SimRequest(6, 5, arrival_step=3, request_id="D"), SimRequest(6, 5, arrival_step=8, request_id="E"),
-            SimRequest(6, 3, arrival_step=26, request_id="F")]
+    reqs = [
+        SimRequest(6, 20, request_id="A"),
+        SimRequest(6, 6, request_id="B"),
+        SimRequest(6, 12, request_id="C"),
+        SimRequest(6, 5, arrival_step=3, request_id="D"),
+        SimRequest(6, 5, arrival_step=8, request_id="E"),
+        SimRequest(6, 3, arrival_step=26, request_id="F"),
+    ]
     res = simulate(reqs, EngineConfig(max_num_seqs=4, batching=batching))
-    return viz.request_timeline(res.requests, trace=res.trace,
-                                title=f"{batching} batching: D arrives in step 3, E in 8, F in 26 (4 slots)")
+    return viz.request_timeline(
+        res.requests,
+        trace=res.trace,
+        title=f"{batching} batching: D arrives in step 3, E in 8, F in 26 (4 slots)",
+    )
 
 
 # --- notebook 04: preemption
 def _pressure(mode, **kw):
     reqs = [SimRequest(prompt_len=8, output_len=40) for _ in range(4)]
-    return simulate(reqs, EngineConfig(max_num_seqs=4, block_size=4, num_blocks=24, preemption_mode=mode, **kw))
+    return simulate(
+        reqs, EngineConfig(max_num_seqs=4, block_size=4, num_blocks=24, preemption_mode=mode, **kw)
+    )
 
 
 def preemption_map():
-    return viz.memory_map(_pressure("recompute").trace,
-                          title="4 requests (8 + 40 tokens) in 24 blocks of 4: preemption by recompute")
+    return viz.memory_map(
+        _pressure("recompute").trace,
+        title="4 requests (8 + 40 tokens) in 24 blocks of 4: preemption by recompute",
+    )
 
 
 def swap_map():
@@ -227,17 +331,27 @@ def swap_map():
 
 def thrashing():
     res = _pressure("recompute", max_num_batched_tokens=8, enable_prefix_caching=False)
-    return viz.request_timeline(res.requests, trace=res.trace,
-                                title="Recompute with an 8-token budget: victims readmitted too early, preempted again")
+    return viz.request_timeline(
+        res.requests,
+        trace=res.trace,
+        title="Recompute with an 8-token budget: victims readmitted too early, preempted again",
+    )
 
 
 def priority_timeline():
     # vLLM's rule: the lowest priority value is served first; vip's 0 outranks the background's 1.
-    reqs = ([SimRequest(prompt_len=8, output_len=30, priority=1, request_id=f"bg{i}") for i in range(2)]
-            + [SimRequest(prompt_len=8, output_len=5, arrival_step=6, priority=0, request_id="vip")])
-    res = simulate(reqs, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=64, scheduling_policy="priority"))
-    return viz.request_timeline(res.requests, trace=res.trace,
-                                title="Priority: vip arrives in step 6 and preempts bg1 (2 slots)")
+    reqs = [
+        SimRequest(prompt_len=8, output_len=30, priority=1, request_id=f"bg{i}") for i in range(2)
+    ] + [SimRequest(prompt_len=8, output_len=5, arrival_step=6, priority=0, request_id="vip")]
+    res = simulate(
+        reqs,
+        EngineConfig(max_num_seqs=2, block_size=4, num_blocks=64, scheduling_policy="priority"),
+    )
+    return viz.request_timeline(
+        res.requests,
+        trace=res.trace,
+        title="Priority: vip arrives in step 6 and preempts bg1 (2 slots)",
+    )
 
 
 GPU_MEASUREMENTS = Path(__file__).resolve().parents[2] / "figures" / "gpu_h200_2026-11-26.jsonl"

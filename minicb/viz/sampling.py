@@ -1,15 +1,16 @@
-"""Parallel sampling drawn from a trace: the blocks that n samples of one prompt share, the ones copied
-on write, and the ones decoding opened, beside n separate requests with the same prompt.
+"""Parallel sampling drawn from a trace: the blocks that n samples of one prompt share, the ones
+copied on write, and the ones decoding opened, beside n separate requests with the same prompt.
 
   block_kinds   every request's block table in one step, each block named by what it is (KINDS)
   fork_map      two block-table maps (one row per request, one column per logical block; a block
-                held by several rows is drawn once across them) and a bar chart of the blocks by kind
+                held by several rows is drawn once across them) and a bar chart of the blocks by
+                kind
 
-The samples fork after the prompt's prefill and share all its blocks (BlockManager.fork). Full blocks
-are never written again and stay shared; the first samples to write into the shared, partly filled
-last block get a copy of it (BlockManager.copy_on_write), and the last one writes into the original.
-The trace is enough to tell them apart: a copy is a private block at an index where the request held
-a shared block before; the original is a private block that was shared before.
+The samples fork after the prompt's prefill and share all its blocks (BlockManager.fork). Full
+blocks are never written again and stay shared; the first samples to write into the shared, partly
+filled last block get a copy of it (BlockManager.copy_on_write), and the last one writes into the
+original. The trace is enough to tell them apart: a copy is a private block at an index where the
+request held a shared block before; the original is a private block that was shared before.
 """
 
 import matplotlib.pyplot as plt
@@ -32,7 +33,8 @@ def block_kinds(trace: Trace, step: int, prompt_len: int) -> dict[str, list[tupl
     """request id -> [(block id, kind), ...] along its block table in `step`, for requests whose
     prompt has `prompt_len` tokens. For a run without preemption (a swap or recompute changes every
     block id of a request, which these rules would not recognise)."""
-    bs, held_before, shared_before = trace.block_size, {}, set()  # held_before: (request, index) -> blocks
+    # held_before: (request, index) -> blocks
+    bs, held_before, shared_before = (trace.block_size, {}, set())
     for earlier in trace.steps:
         if earlier.step >= step:
             break
@@ -42,7 +44,8 @@ def block_kinds(trace: Trace, step: int, prompt_len: int) -> dict[str, list[tupl
         shared_before |= _shared(earlier)
     rec = step_record(trace, step)
     shared_now = _shared(rec)
-    partial = prompt_len // bs if prompt_len % bs else None  # the index of the partly filled prompt block
+    # the index of the partly filled prompt block
+    partial = prompt_len // bs if prompt_len % bs else None
     kinds = {}
     for rid, table in rec.block_tables.items():
         row = []
@@ -53,7 +56,9 @@ def block_kinds(trace: Trace, step: int, prompt_len: int) -> dict[str, list[tupl
                 kind = "shared"
             elif i == partial and b in shared_before:
                 kind = "in place"
-            elif i == partial and held_before.get((rid, i), set()) & shared_before:  # it held a shared one here
+            elif (
+                i == partial and held_before.get((rid, i), set()) & shared_before
+            ):  # it held a shared one here
                 kind = "copied"
             else:
                 kind = "private"
@@ -72,7 +77,8 @@ def _shared(rec) -> set[int]:
 
 
 def _draw_tables(ax, kinds: dict[str, list[tuple[int, str]]], title: str):
-    """One row per request, one column per logical block; a block held by consecutive rows is one box."""
+    """One row per request, one column per logical block; a block held by consecutive rows is one
+    box."""
     rids = list(kinds)
     ncols = max(len(row) for row in kinds.values())
     for i in range(ncols):
@@ -86,10 +92,22 @@ def _draw_tables(ax, kinds: dict[str, list[tuple[int, str]]], title: str):
                     runs.append([b, kind, r, r])
         for b, kind, r0, r1 in runs:
             height = r1 - r0 + 1
-            ax.add_patch(Rectangle((i, r0), 1, height, facecolor=KINDS[kind][0], edgecolor="white", linewidth=1.2))
+            ax.add_patch(
+                Rectangle(
+                    (i, r0), 1, height, facecolor=KINDS[kind][0], edgecolor="white", linewidth=1.2
+                )
+            )
             label = f"#{b}" + (f"\nref {height}" if height > 1 else "")
-            ax.text(i + 0.5, r0 + height / 2, label, ha="center", va="center", fontsize=6.5,
-                    rotation=90 if height > 1 else 0, color="white" if kind == "shared" else "black")
+            ax.text(
+                i + 0.5,
+                r0 + height / 2,
+                label,
+                ha="center",
+                va="center",
+                fontsize=6.5,
+                rotation=90 if height > 1 else 0,
+                color="white" if kind == "shared" else "black",
+            )
     ax.set_xlim(0, ncols)
     ax.set_ylim(len(rids), 0)
     ax.set_xticks([i + 0.5 for i in range(ncols)], [str(i) for i in range(ncols)], fontsize=7)
@@ -109,32 +127,51 @@ def count_kinds(kinds: dict[str, list[tuple[int, str]]]) -> dict[str, int]:
 
 
 def fork_map(forked: Trace, separate: Trace, step: int, prompt_len: int, title: str | None = None):
-    """The block tables of n samples of one prompt (`forked`) and of n separate requests with the same
-    prompt (`separate`) in `step`, side by side, and a bar of each run's blocks stacked by kind."""
-    runs = {"forked": block_kinds(forked, step, prompt_len), "separate": block_kinds(separate, step, prompt_len)}
+    """The block tables of n samples of one prompt (`forked`) and of n separate requests with the
+    same prompt (`separate`) in `step`, side by side, and a bar of each run's blocks stacked by
+    kind."""
+    runs = {
+        "forked": block_kinds(forked, step, prompt_len),
+        "separate": block_kinds(separate, step, prompt_len),
+    }
     counts = {name: count_kinds(kinds) for name, kinds in runs.items()}
     totals = [sum(c.values()) for c in counts.values()]
     fig, axes = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [1, 1, 0.42]})
     plt.close(fig)  # shown when displayed, not again at the end of the cell
     n, m = len(runs["forked"]), len(runs["separate"])
     for ax, (name, kinds), total in zip(axes, runs.items(), totals):
-        what = f"{n} samples of one prompt (n={n})" if name == "forked" else f"{m} separate requests, same prompt"
+        what = (
+            f"{n} samples of one prompt (n={n})"
+            if name == "forked"
+            else f"{m} separate requests, same prompt"
+        )
         parts = " + ".join(f"{c} {kind}" for kind, c in counts[name].items() if c)
         _draw_tables(ax, kinds, f"{what}:\n{parts} = {total} blocks")
     bar_ax, bottoms = axes[2], [0] * len(runs)
     for kind, (color, _) in KINDS.items():
         heights = [c[kind] for c in counts.values()]
-        drawn = bar_ax.bar([f"n={n}\nforked", f"{m}\nseparate"], heights, 0.6, bottom=bottoms, color=color)
-        shown = [str(h) if h >= 0.05 * max(totals) else "" for h in heights]  # the small ones are in the titles
+        drawn = bar_ax.bar(
+            [f"n={n}\nforked", f"{m}\nseparate"], heights, 0.6, bottom=bottoms, color=color
+        )
+        # the small ones are in the titles
+        shown = [str(h) if h >= 0.05 * max(totals) else "" for h in heights]
         bar_ax.bar_label(drawn, shown, label_type="center", fontsize=8)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     for x, total in enumerate(totals):
         bar_ax.text(x, total, str(total), ha="center", va="bottom", fontsize=9, fontweight="bold")
     bar_ax.margins(y=0.08)
     bar_ax.set(ylabel="KV blocks held", title="blocks by kind")
-    fig.legend(handles=[Patch(facecolor=c, label=label) for c, label in KINDS.values()], loc="lower center",
-               ncol=len(KINDS), fontsize=8, frameon=False)
-    fig.suptitle(title or f"Step {step}: the blocks of {n} samples and of {m} separate requests "
-                 f"({prompt_len}-token prompt, blocks of {forked.block_size} tokens)")
+    fig.legend(
+        handles=[Patch(facecolor=c, label=label) for c, label in KINDS.values()],
+        loc="lower center",
+        ncol=len(KINDS),
+        fontsize=8,
+        frameon=False,
+    )
+    fig.suptitle(
+        title
+        or f"Step {step}: the blocks of {n} samples and of {m} separate requests "
+        f"({prompt_len}-token prompt, blocks of {forked.block_size} tokens)"
+    )
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig

@@ -39,7 +39,8 @@ def step_figure(trace: Trace, step: int | None = None, views=("slots", "blocks")
 
 
 def widgets_available() -> bool:
-    """True inside a Jupyter kernel with ipywidgets installed, unless MINICB_STATIC_FIGURES is set."""
+    """True inside a Jupyter kernel with ipywidgets installed, unless MINICB_STATIC_FIGURES is
+    set."""
     if os.environ.get("MINICB_STATIC_FIGURES", "") not in ("", "0"):
         return False
     try:
@@ -59,7 +60,9 @@ def slider(trace: Trace, views=("slots", "blocks"), step: int | None = None):
     step_figure(trace, step, views)  # fail here, not inside a callback, on a bad step or view
     first, last = trace.steps[0].step, trace.steps[-1].step
     play = w.Play(min=first, max=last, value=step or last, interval=600, description="play")
-    pick = w.IntSlider(min=first, max=last, value=step or last, description="step", continuous_update=False)
+    pick = w.IntSlider(
+        min=first, max=last, value=step or last, description="step", continuous_update=False
+    )
     w.jslink((play, "value"), (pick, "value"))
     record = w.HTML()
     out = w.Output()

@@ -1,1 +1,2 @@
-"""Standard clients (lm-eval, guidellm) against python -m minicb serve: requirements, tasks, and compare.py."""
+"""Standard clients (lm-eval, guidellm) against python -m minicb serve: requirements, tasks, and
+compare.py."""

@@ -1,4 +1,5 @@
-"""One yardstick, two views: guidellm's client-side times next to the server's own, request by request.
+"""One yardstick, two views: guidellm's client-side times next to the server's own, request by
+request.
 
     python -m minicb serve --request-log /tmp/server.jsonl &
     guidellm run ... --output kind=json,path=/tmp/guidellm.json
@@ -8,8 +9,8 @@ The two are matched by the response id (guidellm keeps "chatcmpl-63"; the server
 One vocabulary, the course's (minicb.metrics):
   - TTFT: from the request to its first generated token. The client counts from sending the HTTP
     request to receiving the first token's SSE chunk; the server from the moment its engine loop was
-    handed the request (the JSON parsed, validated and tokenized) to the step that produced the token;
-    "engine" counts from add_request, so server minus engine is the wait for the engine loop.
+    handed the request (the JSON parsed, validated and tokenized) to the step that produced the
+    token; "engine" counts from add_request, so server minus engine is the wait for the engine loop.
   - TPOT: a request's mean gap between consecutive output tokens, (last - first) / (tokens - 1).
     guidellm calls this "inter-token latency" (ITL); its "TPOT" divides the whole latency, first
     token included, by the tokens, a different number.
@@ -22,8 +23,8 @@ import statistics
 
 
 def load(guidellm_json: str, server_jsonl: str) -> dict[str, list[tuple[dict, dict]]]:
-    """{guidellm benchmark (e.g. "concurrent@4"): [(guidellm's request stats, the server's log line)]}
-    for every request both saw."""
+    """{guidellm benchmark (e.g. "concurrent@4"): [(guidellm's request stats, the server's log
+    line)]} for every request both saw."""
     server = {}
     with open(server_jsonl) as f:
         for line in f:
@@ -51,15 +52,20 @@ def rows(pairs: list[tuple[dict, dict]]) -> list[tuple[str, list[float], list[fl
     server_gap = [s["tpot_s"] * 1e3 for _, s in pairs]
     server_latency = [(s["finish"] - s["received"]) * 1e3 for _, s in pairs]
     engine_ttft = [s["engine_ttft_s"] * 1e3 for _, s in pairs]
-    return [("TTFT (server: from the engine loop)", client_ttft, server_ttft),
-            ("TTFT (server: from add_request)", client_ttft, engine_ttft),
-            ("TPOT = mean inter-token gap", client_gap, server_gap),
-            ("request latency", client_latency, server_latency)]
+    return [
+        ("TTFT (server: from the engine loop)", client_ttft, server_ttft),
+        ("TTFT (server: from add_request)", client_ttft, engine_ttft),
+        ("TPOT = mean inter-token gap", client_gap, server_gap),
+        ("request latency", client_latency, server_latency),
+    ]
 
 
 def table(pairs: list[tuple[dict, dict]], name: str = "") -> str:
-    lines = [f"{name + ': ' if name else ''}{len(pairs)} requests seen by both guidellm and the server (ms; mean / median)",
-             f"{'':38}{'guidellm (client)':>20}{'minicb (server)':>20}{'client - server':>20}"]
+    lines = [
+        f"{name + ': ' if name else ''}{len(pairs)} requests seen by both guidellm and the server "
+        "(ms; mean / median)",
+        f"{'':38}{'guidellm (client)':>20}{'minicb (server)':>20}{'client - server':>20}",
+    ]
     for what, client, server in rows(pairs):
         diff = [c - s for c, s in zip(client, server)]
         cell = lambda xs: f"{statistics.mean(xs):8.1f} /{statistics.median(xs):8.1f}"
@@ -68,15 +74,22 @@ def table(pairs: list[tuple[dict, dict]], name: str = "") -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m minicb.bench.clients.compare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m minicb.bench.clients.compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("guidellm_json", help="guidellm's --output kind=json file")
-    parser.add_argument("server_jsonl", help="the file given to python -m minicb serve --request-log")
+    parser.add_argument(
+        "server_jsonl", help="the file given to python -m minicb serve --request-log"
+    )
     args = parser.parse_args(argv)
     found = load(args.guidellm_json, args.server_jsonl)
     if not found:
-        raise SystemExit("no request is in both files: was the server started with --request-log, and "
-                         "did guidellm run against it?")
+        raise SystemExit(
+            "no request is in both files: was the server started with --request-log, and "
+            "did guidellm run against it?"
+        )
     print("\n\n".join(table(pairs, name) for name, pairs in found.items()))
 
 

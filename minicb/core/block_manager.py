@@ -1,0 +1,325 @@
+"""BlockManager: paged KV-cache memory, as in vLLM's PagedAttention (Kwon et al., SOSP 2023).
+
+The KV cache is cut into `num_blocks` fixed-size blocks of `block_size` tokens. A request
+owns a *block table*: the list of physical block ids that hold its tokens in order, so logical
+token i lives in block `table[i // block_size]` at offset `i % block_size`. Blocks are handed out
+one at a time as a sequence grows, so at most one partly filled block per request is wasted
+(internal fragmentation), instead of a whole max_model_len reservation.
+
+Prefix caching: once a block is full and computed, it is named by a hash chained over all the
+tokens before it. A new request whose prompt starts with the same tokens reuses those blocks
+(the reference count goes up) and skips computing them. Freed blocks keep their hash and wait at
+the end of the free queue, so they can still be reused until the allocator hands them out again.
+
+Fork and copy-on-write: the n samples of one prompt share its blocks after the prefill (fork: the
+reference counts go up, nothing is copied). A full block is never written again, so sharing it is
+free forever; the last, partly filled block is written by every sample's next token, so the first
+sample to write into it while it is still shared gets a private copy (copy_on_write), and the last
+one left writes in place. vLLM's PagedAttention paper keeps reference counts for exactly this.
+
+Swap: a preempted request's blocks can be copied to a pool of CPU blocks and back. This class only
+keeps the books (which block goes where); the torch side (kv_cache.py) copies the bytes.
+"""
+
+from collections import OrderedDict
+
+from ..config import cdiv
+from .request import Request
+
+
+def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    # Chaining makes the hash name the whole prefix, not just this block's tokens. Python's hash()
+    # is fast and fine inside one process; a hit is still confirmed against the block's tokens
+    # (find_cached_prefix), so a collision can never serve another prompt's K/V. vLLM offers
+    # SHA-256.
+    return hash((parent_hash, tokens))
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        # Free queue in eviction order: allocation takes from the front; freed blocks go to the
+        # back, so a cached block that was used recently survives longest. OrderedDict: O(1) removal
+        # from the middle when a prefix hit revives a free block.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hash: list[int | None] = [None] * num_blocks  # hash of a full computed block
+        # What that hash stands for, (parent hash, tokens): a hit is trusted only if it matches, so
+        # a hash collision costs a recomputation, never another prompt's K/V.
+        self.block_key: list[tuple | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id holding that prefix block
+        self.block_tables: dict[str, list[int]] = {}  # request id -> physical block ids
+        self.num_hashed: dict[str, int] = {}  # request id -> leading blocks already registered
+        # Swap space: CPU blocks have no prefix sharing, one owner each.
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.cpu_block_tables: dict[str, list[int]] = {}
+        # (src, dst) device copies the runner must make
+        self.pending_copies: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix (evicted only when handed out again)."""
+        return sum(1 for b in self.free_queue if self.block_hash[b] is not None)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.cpu_free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # ------------------------------------------------------------------ prefix cache
+    def _hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+        """Extend the request's hash chain to cover its first `num_full_blocks` blocks."""
+        hashes, bs = req.block_hashes, self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(
+                hash_block(
+                    hashes[-1] if hashes else None, tuple(req.token_ids[i * bs : (i + 1) * bs])
+                )
+            )
+        return hashes
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Blocks already holding this request's leading tokens. At least one token is always left
+        to compute (its logits are needed for the next sample), so the block holding the last
+        token is never taken from the cache and no write ever lands in a shared block."""
+        if not self.enable_prefix_caching or (
+            req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
+        ):
+            return []  # prompt_logprobs need every prompt token's logits: cached blocks have none
+        hits, num_full = [], (req.num_tokens - 1) // self.block_size
+        for i, h in enumerate(
+            self._hashes(req, num_full)[:num_full]
+        ):  # the chain may already run further
+            block = self.cached.get(h)
+            if block is None or self.block_key[block] != self._key(req, i):
+                break
+            hits.append(block)
+        return hits
+
+    def _key(self, req: Request, i: int) -> tuple:
+        """(parent hash, tokens) of block i of `req`: what its hash must stand for."""
+        bs = self.block_size
+        return (req.block_hashes[i - 1] if i else None, tuple(req.token_ids[i * bs : (i + 1) * bs]))
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the hash of every block that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        rid = req.request_id
+        # (a step's accepted drafts have K/V before update() appends them: their blocks are hashed
+        # next time)
+        start, end = (
+            self.num_hashed[rid],
+            min(req.num_computed_tokens, req.num_tokens) // self.block_size,
+        )
+        if end <= start:
+            return
+        table, hashes = self.block_tables[rid], self._hashes(req, end)
+        for i in range(start, end):
+            if hashes[i] not in self.cached:  # the same prefix computed twice keeps the first copy
+                self.cached[hashes[i]] = table[i]
+                self.block_hash[table[i]] = hashes[i]
+                self.block_key[table[i]] = self._key(req, i)
+        self.num_hashed[rid] = end
+
+    # ------------------------------------------------------------------ allocate / free
+    def _take_free_block(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:  # evict the prefix it held
+            self.block_hash[block] = self.block_key[block] = None
+            if self.cached.get(h) == block:
+                del self.cached[h]
+        self.ref_counts[block] = 1
+        return block
+
+    def must_copy(self, rid: str, num_computed: int) -> bool:
+        """Would the next write (at position num_computed) land in a block shared with another
+        sample?"""
+        table, i = self.block_tables.get(rid, ()), num_computed // self.block_size
+        return (
+            num_computed % self.block_size != 0 and i < len(table) and self.ref_counts[table[i]] > 1
+        )
+
+    def num_blocks_needed(
+        self, rid: str, num_tokens: int, computed_blocks: list[int] = (), num_computed: int = 0
+    ) -> int:
+        """Free blocks that `allocate` would consume to cover `num_tokens` tokens (with these
+        prefix-cache hits, or for a request with `num_computed` tokens in the cache)."""
+        have = len(self.block_tables.get(rid, ())) + len(computed_blocks)
+        new = max(0, self.blocks_for(num_tokens) - have) + self.must_copy(rid, num_computed)
+        if not computed_blocks:
+            return new
+        return new + sum(1 for b in computed_blocks if self.ref_counts[b] == 0)  # cached but free
+
+    def can_allocate(
+        self, rid: str, num_tokens: int, computed_blocks: list[int] = (), num_computed: int = 0
+    ) -> bool:
+        return self.num_blocks_needed(rid, num_tokens, computed_blocks, num_computed) <= len(
+            self.free_queue
+        )
+
+    def allocate(self, req: Request, num_tokens: int, computed_blocks: list[int] = ()) -> None:
+        """Grow `req`'s block table so it covers `num_tokens` tokens. `computed_blocks`
+        (prefix-cache hits, only when the table is new) are shared instead of allocated. If the
+        next write lands in a block shared with a sibling sample, that block is copied first."""
+        rid = req.request_id
+        if not self.can_allocate(
+            rid, num_tokens, computed_blocks, req.num_computed_tokens
+        ):  # refuse first
+            raise RuntimeError(f"out of KV blocks for request {rid}: call can_allocate first")
+        if self.must_copy(rid, req.num_computed_tokens):
+            self.copy_on_write(rid, req.num_computed_tokens // self.block_size)
+        table = self.block_tables.get(rid)
+        if table is None:
+            table = self.block_tables[rid] = []
+            self.num_hashed[rid] = len(computed_blocks)
+        elif computed_blocks:
+            raise ValueError("computed_blocks can only be shared into a new block table")
+        for block in computed_blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+            table.append(block)
+        while len(table) * self.block_size < num_tokens:
+            table.append(self._take_free_block())
+
+    def fork(self, parent_rid: str, child_rid: str) -> None:
+        """The child shares every block of the parent (reference counts up, nothing copied)."""
+        if child_rid in self.block_tables:
+            raise ValueError(
+                f"request {child_rid} already has a block table: a fork makes a new one"
+            )
+        table = self.block_tables[parent_rid]
+        for block in table:
+            self.ref_counts[block] += 1
+        self.block_tables[child_rid] = list(table)
+        self.num_hashed[child_rid] = self.num_hashed[parent_rid]
+
+    def copy_on_write(self, rid: str, i: int) -> None:
+        """Give `rid` a private copy of its shared block i (the device copy goes to
+        pending_copies)."""
+        table = self.block_tables[rid]
+        if self.ref_counts[table[i]] < 2 or not self.free_queue:  # refuse before changing anything
+            raise RuntimeError(
+                f"block {table[i]} of request {rid} is not shared, or no block is free"
+            )
+        new = self._take_free_block()
+        self.ref_counts[table[i]] -= 1  # still >= 1: a sibling keeps it
+        self.pending_copies.append((table[i], new))
+        table[i] = new
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copies decided since the last call, for this step's
+        SchedulerOutput.blocks_to_copy."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def _release(self, table: list[int]) -> None:
+        # Tail blocks are queued first so that the shared prefix blocks, released last, are
+        # evicted last.
+        for block in reversed(table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+
+    def free(self, rid: str) -> None:
+        """Drop everything a request holds: device blocks (hashes kept) and swapped CPU blocks."""
+        self._release(self.block_tables.pop(rid, ()))
+        self.num_hashed.pop(rid, None)
+        self.cpu_free.extend(self.cpu_block_tables.pop(rid, ()))
+
+    def free_tail(self, rid: str, num_tokens: int) -> None:
+        """Give back the blocks past the first blocks_for(num_tokens) (none, unless a row verified
+        drafts: then those that held only rejected drafts, never hashed since cache_full_blocks
+        covers computed tokens only)."""
+        table = self.block_tables[rid]
+        self._release(table[self.blocks_for(num_tokens) :])
+        del table[self.blocks_for(num_tokens) :]
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_out(self, rid: str) -> bool:
+        return len(self.block_tables.get(rid, ())) <= len(self.cpu_free)
+
+    def swap_out(self, rid: str) -> list[tuple[int, int]]:
+        """Move a request's blocks to CPU. Returns (device block, cpu block) copies, which the
+        runner must perform before this step's forward pass reuses the device blocks."""
+        if not self.can_swap_out(rid):  # refuse before changing anything
+            raise ValueError(
+                f"request {rid} needs {len(self.block_tables.get(rid, ()))} CPU blocks to swap "
+                f"out, only {len(self.cpu_free)} are free: call can_swap_out first"
+            )
+        table = self.block_tables.pop(rid)
+        self.num_hashed.pop(rid, None)
+        cpu_table = [self.cpu_free.pop() for _ in table]
+        self.cpu_block_tables[rid] = cpu_table
+        self._release(table)  # back to the free queue, hashes kept
+        return list(zip(table, cpu_table))
+
+    def can_swap_in(self, rid: str, num_tokens: int) -> bool:
+        return max(len(self.cpu_block_tables[rid]), self.blocks_for(num_tokens)) <= len(
+            self.free_queue
+        )
+
+    def swap_in(self, req: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request back into fresh device blocks. Returns (cpu, device) copies."""
+        rid = req.request_id
+        cpu_table = self.cpu_block_tables.pop(rid)
+        table = self.block_tables[rid] = [self._take_free_block() for _ in cpu_table]
+        self.cpu_free.extend(cpu_table)
+        self.num_hashed[rid] = 0
+        self.cache_full_blocks(req)  # its full blocks are valid prefix blocks again
+        return list(zip(cpu_table, table))
+
+    # ------------------------------------------------------------------ checks and display
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the books do not balance (used by the property tests)."""
+        owners = [0] * self.num_blocks
+        for table in self.block_tables.values():
+            assert len(set(table)) == len(table), "a block appears twice in one table"
+            for b in table:
+                owners[b] += 1
+        assert owners == self.ref_counts, (
+            "reference counts differ from the tables holding each block"
+        )
+        free = set(self.free_queue)
+        assert free == {b for b in range(self.num_blocks) if owners[b] == 0}, (
+            "free queue != unowned blocks"
+        )
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h, "cached map and block hashes disagree"
+        cpu_owned = [b for t in self.cpu_block_tables.values() for b in t]
+        assert len(cpu_owned) == len(set(cpu_owned)), "a CPU block is owned twice"
+        assert sorted(cpu_owned + self.cpu_free) == list(range(self.num_cpu_blocks)), (
+            "CPU blocks leaked"
+        )
+
+    def __repr__(self):
+        tables = ", ".join(f"{rid}: {t}" for rid, t in self.block_tables.items())
+        return (
+            f"BlockManager(blocks={self.num_blocks} x {self.block_size} tokens, "
+            f"used={self.num_used_blocks}, free={self.num_free_blocks} (cached "
+            f"{self.num_cached_free_blocks}), "
+            f"cpu_free={self.num_free_cpu_blocks}/{self.num_cpu_blocks}, tables={{{tables}}})"
+        )

@@ -1,0 +1,147 @@
+"""Request: one prompt's life inside the engine (what a user gets back is in outputs.py).
+
+A request is a list of token ids (prompt, then generated tokens) plus one counter that drives
+everything: `num_computed_tokens`, how many of those tokens already have K/V in the cache.
+Each step the scheduler gives a request `num_tokens - num_computed_tokens` tokens or fewer
+(a prompt chunk, a whole prompt, or the single newest token of a decode), the same rule that
+vLLM v1 uses, so prefill, chunked prefill, decode and recompute after preemption are one code path.
+"""
+
+import enum
+
+from ..metrics import RequestMetrics  # wall-clock times of one request (TTFT, token times)
+from ..sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted by recompute)
+    RUNNING = "running"  # holds a slot and KV blocks on the device
+    SWAPPED = "swapped"  # preempted by swap: its KV blocks sit in CPU memory
+    FINISHED_STOPPED = "stop"  # produced EOS or a stop token
+    FINISHED_LENGTH = (
+        "length"  # reached max_tokens (add_request keeps prompt + max_tokens <= max_model_len)
+    )
+    FINISHED_ABORTED = "abort"  # aborted by the user (or a disconnected client)
+    FINISHED_ERROR = (
+        "error"  # its own inputs broke a step (sampling, detokenizing): it alone is stopped
+    )
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_index: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+        prompt: str | None = None,
+        sample_index: int = 0,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt  # the text, when the prompt was given as text
+        self.token_ids = list(prompt_token_ids)  # prompt + generated, grows by one per sample
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.priority = (
+            priority  # scheduling_policy="priority" serves the lowest value first, as vLLM
+        )
+        self.arrival_index = arrival_index  # order of arrival: FIFO key and tie-breaker
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V is in the cache (0 again after recompute)
+        # drafts its next decode verifies (spec_decode.py; vLLM's name)
+        self.spec_token_ids: list[int] = []
+        self.num_new_tokens = (
+            0  # tokens the last step that touched it appended: 1, or more with accepted drafts
+        )
+        self.slot: int | None = None  # row of the batch it occupies while running (for pictures)
+        # Stop ids: the model's EOS (unless ignored) and the user's stop tokens.
+        self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self.stop_token_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())
+        self.stop_reason: int | str | None = (
+            None  # the user's stop token that ended it (vLLM's stop_reason)
+        )
+        self.error: str | None = None  # why it finished with "error"
+        self.block_hashes: list[int] = []  # hash chain of this request's full blocks (prefix cache)
+        self.num_preemptions = 0
+        self.admitted_step: int | None = None
+        self.first_token_step: int | None = None
+        self.finish_step: int | None = None
+        self.metrics = RequestMetrics()
+        self.generator = None  # per-request torch.Generator for seeded sampling (set by the engine)
+        # Samples 1..n-1 of an n-sample request, made at arrival but kept out of the scheduler until
+        # the prompt is computed; then they fork from this request (Scheduler.fork) and run as
+        # requests of their own that share its prompt blocks. Empty for n == 1 and after the fork.
+        self.forks: list[Request] = []
+        self.sample_index = (
+            sample_index  # which sample of its prompt this is (CompletionOutput.index)
+        )
+        # {id: Logprob} per token
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # [None, then one {token id: Logprob} per prompt token]: the first token has no context.
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        """Batch rows (slots) it needs: n until its samples have forked, then 1 each."""
+        return 1 + len(self.forks)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_output_tokens(self, tokens: list[int]) -> "RequestStatus | None":
+        """Append one step's tokens (one; or the drafts it accepted, then the model's own) up to the
+        first that finishes the request, and return the finished status it causes, if any (vLLM's
+        check_stop). A stop token (EOS, unless ignored, or one of the user's) stops first; then
+        max_tokens, which the config keeps within max_model_len. `num_new_tokens` counts the tokens
+        appended."""
+        self.num_new_tokens = 0
+        for token in tokens:
+            self.token_ids.append(token)
+            self.num_new_tokens += 1
+            if token in self.stop_token_ids:
+                # vLLM: None for EOS
+                self.stop_reason = None if token in self.eos_token_ids else token
+                return RequestStatus.FINISHED_STOPPED
+            if self.num_output_tokens >= self.params.max_tokens:
+                return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens whose K/V may ever be cached: the last generated token is never fed back."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    def __repr__(self):
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}/{self.params.max_tokens}, "
+            f"computed={self.num_computed_tokens}, slot={self.slot}, priority={self.priority})"
+        )

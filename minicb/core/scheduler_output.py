@@ -1,0 +1,63 @@
+"""What Scheduler.schedule() hands the model runner: the rows of one step and the block copies.
+
+Plain data (vLLM keeps the same in vllm/v1/core/sched/output.py): the runner turns it into tensors,
+the trace records it, and nothing in it changes once the step has been scheduled.
+"""
+
+from dataclasses import dataclass, field
+
+from .request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One row of the step's batch."""
+
+    request: Request
+    start: int  # num_computed_tokens before this step = position of the first token fed
+    # tokens fed this step (a prompt chunk; 1 for a decode, 1 + drafts for a verifying decode)
+    num_tokens: int
+    is_prefill: bool
+    do_sample: bool  # this step computes the request's last token, so a new token is sampled
+    block_table: list[int]  # the request's live block table (read it during this step only)
+    slot: int  # the batch row the request occupies while it runs
+    # drafts fed after its newest token, to verify (spec_decode.py; vLLM's name)
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def make(cls, req: Request, num_tokens: int, block_table: list[int]) -> "ScheduledRequest":
+        """The row that feeds `req` its next `num_tokens` tokens, then as many of its drafts as fit;
+        it samples if they reach its end."""
+        start = req.num_computed_tokens
+        drafts = req.spec_token_ids[: max(0, start + num_tokens - req.num_tokens)]
+        done = start + num_tokens >= req.num_tokens
+        is_decode = done and num_tokens == 1 + len(drafts) and req.num_output_tokens > 0
+        return cls(req, start, num_tokens, not is_decode, done, block_table, req.slot, drafts)
+
+    @property
+    def token_ids(self) -> list[int]:
+        ids = self.request.token_ids[self.start : self.start + self.num_tokens]
+        return ids + self.spec_token_ids[: self.num_tokens - len(ids)]
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's schedule: its rows and who was admitted, preempted or swapped."""
+
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefills
+    num_batched_tokens: int = 0
+    admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # by recompute
+    swapped_out: list[str] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    # (device, device): copy-on-write
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Rows that feed one generated token (not the attention metadata's num_decodes, which
+        counts the leading one-query rows, a last prompt token included)."""
+        return sum(1 for s in self.scheduled if not s.is_prefill)

@@ -1,0 +1,83 @@
+"""Incremental detokenization: a request's text grows by decoding a few new tokens, not all of them.
+
+Decoding the whole output again at every step costs O(length) per token, O(length^2) per request,
+and a server pays it for every stream in the batch. Decoding only the newest token does not work
+either: a token's text can depend on its neighbours (SentencePiece drops a word's leading space at
+the start of a string; byte-level BPE splits one multi-byte character over several tokens, whose
+pieces decode to U+FFFD until the last one arrives). So, as vLLM's incremental detokenizer does,
+keep a small window of tokens: decode the window with and without the new tokens, and emit the
+difference once it no longer ends in U+FFFD (the character is complete). The window then starts
+where the emitted text ended. Every delta is appended, so the concatenated stream is the text.
+
+Stop strings (SamplingParams.stop) are looked for in the text, where they can span tokens: only in
+the new text and the few characters before it that could start one. The text is cut before the
+string (or after it, with include_stop_str_in_output). While the request runs, a stream is shown
+all but the last len(longest stop string) - 1 characters (visible_text), so it never shows the
+start of a stop string that the next token completes and the cut then removes. (vLLM does the same.)
+"""
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder gives for the bytes of an unfinished character
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        min_tokens: int = 0,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop, self.include_stop = tuple(stop), include_stop_str_in_output
+        # characters that may start a stop string
+        self.hold_back = max(map(len, self.stop), default=1) - 1
+        self.stop_reason: str | None = None  # the stop string found, once found
+        self.min_tokens = (
+            min_tokens  # no stop string is looked for until more tokens than this are out (vLLM)
+        )
+        self.token_ids: list[int] = []  # every output token seen so far
+        self.prefix_offset = 0  # the window starts here: context for the tokens not yet emitted
+        self.read_offset = 0  # tokens before this one have had their text emitted
+        self.text = ""  # the text emitted so far
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_token_ids: list[int], finished: bool = False) -> str:
+        """Take the step's new tokens; return the text they complete ("" while a character is
+        partial). With `finished`, whatever is held back comes out, complete or not."""
+        self.token_ids += new_token_ids
+        before = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.token_ids[self.prefix_offset :])
+        if len(after) <= len(before) or (after.endswith(REPLACEMENT_CHAR) and not finished):
+            return ""  # nothing new yet, or half of a character: wait for the next token
+        delta = after[len(before) :]
+        self.text += delta
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        if self.stop and self.stop_reason is None and len(self.token_ids) > self.min_tokens:
+            self._find_stop(len(self.text) - len(delta))
+        return delta
+
+    def _find_stop(self, new_from: int) -> None:
+        start = max(0, new_from - self.hold_back)  # a stop string may begin in the held-back tail
+        found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if found:
+            i, s = min(found)  # the earliest in the text
+            self.text = self.text[: i + len(s) if self.include_stop else i]
+            self.stop_reason = s
+
+    def visible_text(self, finished: bool) -> str:
+        """What a client may see: all the text once finished, else all but the held-back tail."""
+        if finished or self.stop_reason is not None or not self.hold_back:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.hold_back)]
+
+
+def text_delta(sent: str, text: str, finished: bool) -> str:
+    """New text since `sent` (for streaming the growth of a decoded output). A trailing U+FFFD is
+    half of a multi-byte character: hold it back."""
+    if not finished:
+        text = text.rstrip("\ufffd")
+    return text[len(sent) :] if text.startswith(sent) else ""

@@ -1,0 +1,158 @@
+"""LLM: the offline front end, with vLLM's names (vLLM keeps it in vllm/entrypoints/llm.py).
+
+`LLM(model, **EngineConfig fields)` builds an Engine; `generate()` adds every prompt and steps the
+engine until all have finished; `chat()` renders conversations with the model's chat template
+first; `stream()` (minicb's) yields each request's output as it grows. Everything here is the step
+loop of engine.py called again and again.
+"""
+
+import time
+from collections.abc import Iterator
+
+from ..config import EngineConfig
+from ..model_executor.loader import LoadedModel
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .llm_engine import Engine
+
+
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation in the model's chat template, ending where the assistant
+    replies."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "this model has no chat template: pass prompts (text or token ids) instead"
+        )
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+
+
+class LLM:
+    """The offline front end, with vLLM's names: `LLM(model, **EngineConfig fields)`,
+    `generate(prompts, sampling_params)`, `chat(messages, sampling_params)`, `get_tokenizer()`.
+    A script written for `vllm.LLM` runs with only the import changed. minicb adds `stream()`,
+    `engine` (the step loop, to look inside) and the configurations vLLM lacks (see
+    EngineConfig)."""
+
+    def __init__(self, model: str | None = None, **config_fields):
+        self.engine = Engine(EngineConfig(model=model, **config_fields))
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, **config_fields) -> "LLM":
+        """An LLM over weights already loaded (to compare configurations without reloading).
+
+        The model keeps the dtype it was loaded in unless `dtype=` says otherwise (and then the
+        engine says that it converts it)."""
+        llm = cls.__new__(cls)
+        config_fields.setdefault("dtype", str(loaded.dtype).removeprefix("torch."))
+        llm.engine = Engine(EngineConfig(model=loaded.name, **config_fields), loaded)
+        return llm
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def _add_all(self, prompts, sampling_params, priority) -> list[str]:
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt given bare
+        prompts = [_prompt_of(p) for p in prompts]
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(
+                    f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts"
+                )
+        else:
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p, prio in zip(prompts, sampling_params, priority):
+                ids.append(self.engine.add_request(prompt, p, prio))
+        except ValueError as e:  # all or nothing: a bad prompt leaves nothing behind
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise ValueError(f"prompt {len(ids)}: {e}") from None
+        return ids
+
+    def generate(
+        self,
+        prompts,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; one RequestOutput per prompt, in input order.
+
+        prompts: a string, a list of token ids, {"prompt": text} or {"prompt_token_ids": ids}, or a
+        list of those. sampling_params: one for all prompts, or a list with one per prompt.
+        priority: one int per prompt, the lowest served first (needs
+        scheduling_policy="priority")."""
+        ids = self._add_all(prompts, sampling_params, priority)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        t0, num_tokens = time.perf_counter(), 0
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    num_tokens += 1
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    bar.set_postfix_str(
+                        f"{num_tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False
+                    )
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in ids:  # interrupted (e.g. Ctrl-C): do not leave requests holding blocks
+                if rid not in results:
+                    self.engine.abort_request(rid)
+        return [results[rid] for rid in ids]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} dicts) or to a list of them,
+        each rendered by the model's chat template. Returns one RequestOutput per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [chat_token_ids(tokenizer, conv) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompts, sampling_params=None, priority=None) -> Iterator[RequestOutput]:
+        """minicb: yield a RequestOutput each time a request gets a token (`.finished` on its
+        last)."""
+        ids = set(self._add_all(prompts, sampling_params, priority))
+        remaining = set(ids)
+        try:
+            while remaining:
+                for out in self.engine.step():
+                    if out.request_id in ids:
+                        if out.finished:
+                            remaining.discard(out.request_id)
+                        yield out
+        finally:
+            for rid in remaining:
+                self.engine.abort_request(rid)
+
+
+def _prompt_of(prompt):
+    """A prompt as text or token ids; vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts
+    too."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(
+            f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
+        )
+    return prompt

@@ -1,0 +1,212 @@
+"""Engine: the loop that ties scheduler, model runner and output processor together (LLM is llm.py).
+
+    Engine.step():  scheduler.schedule()  -> which requests run, how many tokens each
+                    runner.execute(out)   -> one forward pass over all of them, sampled tokens
+                    scheduler.update()    -> append tokens, fork n samples, stop finished requests
+                    output_processor      -> text, stop strings, logprobs: RequestOutputs (and a
+                    trace record)
+Everything a user sees (generate, stream, the HTTP server) is this loop called again and again.
+"""
+
+import logging
+import time
+import warnings
+
+import torch
+
+from ..config import EngineConfig
+from ..core.request import Request, RequestStatus
+from ..core.scheduler import Scheduler
+from ..model_executor.loader import LoadedModel, load_model
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from ..spec_decode.ngram_proposer import NgramProposer, propose_drafts
+from ..trace import Trace
+from ..worker.memory import resolve_config
+from ..worker.model_runner import ModelRunnerOutput
+from ..worker.worker import Worker
+from .input_processor import InputProcessor
+from .output_processor import OutputProcessor
+
+log = logging.getLogger("minicb.engine.llm_engine")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        dtype = getattr(torch, config.dtype)
+        loaded = loaded or load_model(config.model, dtype)
+        if (
+            loaded.dtype is not None and loaded.dtype != dtype
+        ):  # never silently: exactness depends on it
+            warnings.warn(
+                f"minicb: the model was loaded in {str(loaded.dtype).removeprefix('torch.')}; "
+                f"the engine converts its weights to {config.dtype} (EngineConfig.dtype)",
+                stacklevel=2,
+            )
+        self.config = config = resolve_config(config, loaded)
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.vocab_size = loaded.vocab_size
+        self.model_name = loaded.name
+        # weights, KV cache, model runner and graphs on the device (worker.py)
+        worker = Worker(config, loaded)
+        # with num_blocks, when the cache was sized from the GPU
+        self.config = config = worker.config
+        self.tp, self.cpu_kernels, self.memory = worker.tp, worker.cpu_kernels, worker.memory
+        self.kv_cache, self.runner = worker.kv_cache, worker.runner
+        self.scheduler = Scheduler(config)
+        self.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
+        self.input_processor = InputProcessor(
+            config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.model_name
+        )
+        # text, logprobs, samples -> outputs
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # drafts proposed after each step, verified in the next (spec_decode.py)
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec else None
+        self._next_id = 0  # for request ids chosen by the engine
+        self._num_added = 0  # arrival order (FIFO key)
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.input_processor.tokenize(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a prompt (text or token ids). Raises ValueError, changing nothing, if it can never
+        run."""
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        self.add_samples(
+            self.input_processor.make_request(
+                prompt, params, priority, request_id, self.output_processor.owner
+            )
+        )
+        return request_id
+
+    def add_samples(self, samples: list[Request]) -> None:
+        """Queue a request already made by an InputProcessor (here, or in a server's API
+        process)."""
+        for sample in samples:
+            sample.arrival_index = self._num_added  # arrival order here: the FIFO key
+        self.scheduler.add_request(samples[0])  # refuses (changing nothing) what could never run
+        self.output_processor.add_request(samples)
+        self._num_added += 1
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request, all its samples included. Returns its last output, None if unknown."""
+        samples = self.output_processor.samples.get(request_id)
+        if samples is None:
+            return None
+        for (
+            sample
+        ) in samples:  # samples not forked yet finish with the first one (Scheduler._finish)
+            if self.scheduler.abort_request(sample.request_id) is not None:
+                sample.metrics.finish_time = time.perf_counter()
+        return self.output_processor.output(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (a no-op otherwise, and when called twice)."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def _fail(self, request_id: str, why: str) -> None:
+        """Stop one sample whose own inputs broke this step; everything else keeps running."""
+        req = self.scheduler.abort_request(request_id, RequestStatus.FINISHED_ERROR)
+        sample = self.output_processor.sample(request_id)
+        if (
+            req is None and sample is not None and not sample.is_finished
+        ):  # it was to fork: Scheduler.fork skips it
+            req, sample.status = sample, RequestStatus.FINISHED_ERROR
+        if req is not None:
+            req.error = why
+            req.metrics.finish_time = time.perf_counter()
+            log.error("request %s failed and was stopped: %s", request_id, why)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration. Returns a RequestOutput for every request that got a token, and for
+        every request that finished without one since the last step (aborted)."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        for rid in out.admitted:
+            req = self.scheduler.requests[rid]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = t0
+        try:
+            result = self.runner.execute(out)
+        except Exception as e:  # the forward pass itself failed: its rows cannot be told apart
+            log.exception(
+                "step %d failed; stopping the %d requests it ran", out.step, len(out.scheduled)
+            )
+            result = ModelRunnerOutput(
+                [None] * sum(r.request.num_seqs for r in out.scheduled if r.do_sample),
+                errors={row.request.request_id: e for row in out.scheduled},
+            )
+        for rid, e in result.errors.items():  # those samples stop here; update() drops their tokens
+            self._fail(rid, f"{type(e).__name__}: {e}")
+        self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
+        touched = self.scheduler.update(
+            out, [0 if t is None else t for t in result.sampled_token_ids], result.accepted_drafts
+        )
+        now = time.perf_counter()
+        for req in touched:
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if req.is_finished:
+                req.metrics.finish_time = now
+            try:
+                self._add_tokens(req, result.logprobs.get(req.request_id))
+            except Exception as e:  # e.g. its text cannot be decoded: it fails alone
+                self._fail(req.request_id, f"{type(e).__name__}: {e}")
+            for _ in range(
+                req.num_new_tokens
+            ):  # more than one when drafts were accepted: they come out together
+                req.metrics.record_token(now)
+        finished = self.scheduler.take_finished()
+        if self.proposer is not None:  # drafts for the next step (spec_decode.py)
+            propose_drafts(self.proposer, touched, finished)
+        if self.config.record_trace:
+            self.trace.record(
+                self.scheduler,
+                out,
+                finished,
+                self.runner.last_graph_bucket,
+                now - t0,
+                self.runner.last_graph_width,
+                result.accepted_drafts,
+            )
+        return self.output_processor.make_outputs(touched, finished)
+
+    def _add_tokens(self, req: Request, logprobs) -> None:
+        """Hand the step's new tokens to the output processor, one by one: the first that completes
+        a stop string finishes the sample, and drafts accepted past it are dropped, as if they had
+        never been generated."""
+        for i in range(req.num_tokens - req.num_new_tokens, req.num_tokens):
+            # a stop token on the last one wins
+            stop_string = self.output_processor.add_token(req, logprobs, i)
+            if stop_string is not None and (
+                i < req.num_tokens - 1 or req.status != RequestStatus.FINISHED_STOPPED
+            ):
+                req.num_new_tokens -= req.num_tokens - 1 - i
+                del req.token_ids[i + 1 :]
+                self._stop(req, stop_string)
+                return
+
+    def _stop(self, req: Request, stop_string: str) -> None:
+        """Finish a sample whose text reached one of its stop strings."""
+        if req.is_finished:  # it reached max_tokens in the same step: the stop string wins
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.abort_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        req.stop_reason = stop_string
+        req.metrics.finish_time = time.perf_counter()

@@ -1,0 +1,220 @@
+"""A Llama-family decoder-only transformer over the paged KV cache.
+
+Covers Llama (and SmolLM2), Mistral, Qwen2 and Qwen3, loaded from Hugging Face weights.
+The forward pass works on one *flat* batch: every scheduled token of every sequence,
+(num_tokens,), with no padding to a common length. Where each token sits in its
+sequence (positions) and in the cache (AttentionMetadata) is all that ties it to a
+sequence, which is what lets decodes and prefill chunks share one step.
+
+  embedding -> layers: [RMSNorm -> fused qkv -> RoPE -> paged attention -> o_proj -> + residual,
+                        RMSNorm -> fused gate_up -> SiLU(gate) * up -> down -> + residual]
+            -> final RMSNorm -> (compute_logits) lm_head
+
+Papers: Llama (Touvron et al., 2023), RoPE (Su et al., 2021), RMSNorm (Zhang & Sennrich,
+2019), SwiGLU (Shazeer, 2020), grouped-query attention (Ainslie et al., 2023).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .attention import AttentionMetadata, paged_attention
+from .hf_config import head_dim_of, num_kv_heads_of, sliding_window_of
+from .weights import load_hf_weights
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # x / sqrt(mean(x^2) + eps), then a learned per-channel gain. Computed in float32 for
+        # every dtype, as transformers does: bf16 sums lose digits, and in float64 it keeps us
+        # bit-comparable with the reference implementation.
+        if (
+            x.dtype == torch.float32 == self.weight.dtype
+        ):  # the same numbers, the gain in the same call
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rope_tables(hf_config, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position up to max_position_embeddings: two (max_pos, head_dim) float32
+    tables.
+
+    The frequency variants (linear, llama3, yarn, dynamic, ...) come from transformers;
+    like transformers we compute angles in float32 and scale cos/sin by attention_factor.
+    """
+    params = getattr(hf_config, "rope_parameters", None) or {
+        "rope_theta": getattr(hf_config, "rope_theta", 10000.0)
+    }
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dims = torch.arange(0, head_dim, 2, dtype=torch.float32)
+        inv_freq, attention_factor = 1.0 / (params["rope_theta"] ** (dims / head_dim)), 1.0
+    elif rope_type == "longrope":
+        # longrope switches frequencies with the current sequence length: not one table.
+        raise ValueError(
+            "rope_type 'longrope' is not supported; supported: default, "
+            + ", ".join(t for t in ROPE_INIT_FUNCTIONS if t != "longrope")
+        )
+    elif rope_type in ROPE_INIT_FUNCTIONS:
+        # "dynamic" only rescales beyond max_position_embeddings, where our table ends,
+        # so inside the table it is exact.
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    else:
+        raise ValueError(f"unknown rope_type {rope_type!r}")
+    if 2 * inv_freq.numel() != head_dim:
+        raise ValueError(
+            f"partial rotary embeddings are not supported (rotary dim {2 * inv_freq.numel()} "
+            f"!= head_dim {head_dim})"
+        )
+    positions = torch.arange(hf_config.max_position_embeddings, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq.float()[None, :]  # (max_pos, head_dim / 2)
+    angles = torch.cat((angles, angles), dim=-1)  # rotate-half layout: (max_pos, head_dim)
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each pair (x[i], x[i + head_dim/2]) by its position's angle. x: (num_tokens, heads,
+    head_dim)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, num_kv_heads_of(cfg)
+        self.head_dim = head_dim_of(cfg)
+        bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = bias or cfg.model_type == "qwen2"  # Qwen2: bias on q, k, v but not on o
+        # q, k and v projections fused into one matmul at load time: (hidden) -> (heads + 2 *
+        # kv_heads) * head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, qkv_bias
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias)
+        self.qk_norm = cfg.model_type == "qwen3"  # Qwen3 normalises each q and k head before RoPE
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window_of(cfg, layer_idx)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, quant=None):
+        n = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * kv_heads) * head_dim)
+        # q's heads, k's
+        qk = qkv[:, : q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        # (num_tokens, kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # Qwen3: every head normalized, q's and k's with their own gains
+            qk = torch.cat(
+                (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
+            )
+        # both in one call
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        out = paged_attention(
+            q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, quant
+        )
+        return self.o_proj(out.view(n, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        # gate and up projections fused into one matmul: (hidden) -> 2 * intermediate
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, k_cache, v_cache, meta, quant=None):
+        h = h + self.self_attn(
+            self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, quant=quant
+        )
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, hf_config):
+        super().__init__()
+        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {hf_config.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.config = hf_config
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, i) for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        # cos/sin of every position, (max_position_embeddings, head_dim); from_hf fills them.
+        self.max_position_embeddings = hf_config.max_position_embeddings
+        table_shape = (self.max_position_embeddings, head_dim_of(hf_config))
+        self.register_buffer("rope_cos", torch.empty(table_shape), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
+
+    @classmethod
+    def from_hf(
+        cls, hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device
+    ) -> "CausalLM":
+        """Build from a transformers config and a state dict with Hugging Face parameter names."""
+        with torch.device("meta"):  # shapes only: no memory, no random init
+            model = cls(hf_config)
+        # names mapped, qkv and gate/up fused (weights.py)
+        load_hf_weights(model, state_dict, dtype, device)
+        cos, sin = rope_tables(hf_config, head_dim_of(hf_config))
+        model.rope_cos, model.rope_sin = (
+            cos.to(device=device, dtype=dtype),
+            sin.to(device=device, dtype=dtype),
+        )
+        return model.requires_grad_(False).eval()
+
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) -> hidden states after the final norm (num_tokens,
+        hidden_size)."""
+        h = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        # (num_tokens, 1, head_dim): looked up once, shared by every head of every layer
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        for layer, k_cache, v_cache, quant in zip(
+            self.layers, kv_cache.k_caches, kv_cache.v_caches, kv_cache.quant
+        ):
+            h = layer(h, cos, sin, k_cache, v_cache, meta, quant=quant)
+        return self.norm(h)
+
+    def compute_logits(self, hidden) -> torch.Tensor:
+        """(n, hidden_size) -> (n, vocab_size); pass only the rows you sample from."""
+        return self.lm_head(hidden)

@@ -1,0 +1,278 @@
+"""CUDA-graph decode: replay a recorded decode step instead of launching it kernel by kernel.
+
+Why graphs. A decode step feeds one token per sequence, so each of its kernels (a small
+matmul, a norm, a gather) finishes in microseconds. A 28-layer model launches hundreds of
+them per step, and each launch costs the CPU a few microseconds of Python, PyTorch and the
+CUDA driver: at small batch sizes the GPU spends most of the step waiting for the CPU. A
+CUDA graph (torch.cuda.CUDAGraph) records the whole sequence of kernels once; replaying it
+is one launch. Prefill steps are long matmuls and gain little, so they stay eager.
+
+Why static shapes and buffers. A graph replays exactly the kernels it recorded, with the
+memory addresses and sizes they had. So its inputs live in tensors allocated once (the
+static buffers below), which we overwrite before every replay, and nothing inside the step
+may depend on a value the CPU reads: no `.item()`, no Python `max()` over this step's
+lengths, no boolean mask that changes a shape. Whatever the CPU saw during capture is frozen.
+
+Why buckets, of rows and of columns. One graph serves one batch size and one block-table width
+(the columns its attention reads). We capture batch sizes 1, 2, 4, 8, then multiples of 16, and
+widths 1, 2, 4, ... blocks up to ceil(max_model_len / block_size) (graph_shapes), and run a step in
+the smallest (rows, width) graph that holds it. Extra rows are padding: token 0 at position 0,
+context length 1, a table of sink blocks, so they write and read only the sink and their logits
+are dropped; extra columns are sink blocks, masked (or empty pages: 0 tokens). One width of
+max_model_len made every step read the whole context width (40,960 tokens for Qwen3: on an H100
+graphs ran 1.7x SLOWER than eager); a width bucket never reads twice what the step needs. Shapes
+over MAX_GRAPH_TOKENS are not captured: there K/V reads outweigh launches, and the step runs
+eagerly. All graphs share one memory pool, captured largest first.
+
+Emulation on CPU. Without CUDA, `capture` keeps the step's callable with its static buffers
+and `replay` runs it eagerly on them, so every line but `torch.cuda.graph(...)` runs in the CPU
+test suite: padding, graph choice, buffer copies and sink routing, and that the step depends on
+nothing but its buffers (host lists keep their capture-time values; the capture run refuses host
+reads and data-dependent shapes, graph_safety.py). It cannot show that CUDA captures every
+kernel, the memory pool, the speed-up, or Python state read again at each replay.
+"""
+
+import bisect
+import time
+
+import torch
+
+from ..config import cdiv
+from ..model_executor.attention import AttentionMetadata, cache_locations, pad_tables
+from ..model_executor.paged_flash import page_pairs
+from .graph_safety import NoHostReads
+from .model_runner import host_inputs
+
+MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound: a graph buys little there
+BUCKET_STEP = 16  # bucket spacing after 8: padding wastes at most 15 rows
+# Context a graph may attend, rows x columns x block_size tokens: batch 256 at 2,048 tokens. Past it
+# a step's K/V reads (about 1 ms per layer of Qwen3-0.6B on an H100) outweigh eager launches (~1 ms
+# per layer).
+MAX_GRAPH_TOKENS = 256 * 2048
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, then multiples of 16, and max_batch_size last."""
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+    small = [b for b in (1, 2, 4, 8) if b < max_batch_size]
+    return small + list(range(16, max_batch_size, BUCKET_STEP)) + [max_batch_size]
+
+
+def width_buckets(max_blocks: int) -> list[int]:
+    """Block-table widths to capture: 1, 2, 4, ... and max_blocks last (a step of w columns gets <
+    2w)."""
+    return [1 << i for i in range(max_blocks.bit_length()) if 1 << i < max_blocks] + [max_blocks]
+
+
+def graph_shapes(
+    max_batch: int, max_blocks: int, block_size: int, max_tokens: int = MAX_GRAPH_TOKENS
+):
+    """Batch buckets, and for each the widths captured: those attending at most max_tokens, and 1
+    always."""
+    buckets = batch_buckets(min(max_batch, MAX_GRAPH_BATCH))
+    return buckets, {
+        b: [w for w in width_buckets(max_blocks) if w == 1 or b * w * block_size <= max_tokens]
+        for b in buckets
+    }
+
+
+class CapturedStep:
+    """One captured step: a torch.cuda.CUDAGraph on CUDA, the kept callable elsewhere. `output` is
+    the same tensor after every replay, overwritten each time (on CUDA, in the graphs' pool): read
+    it first."""
+
+    def __init__(self, fn, device: torch.device, pool=None):
+        self.emulated = device.type != "cuda"
+        if self.emulated:
+            self.fn = fn
+            with NoHostReads():  # what a real capture would refuse, refused here too
+                self.output = fn()
+        else:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.output = fn()  # recorded, not run: the kernels write here on each replay
+
+    def replay(self) -> None:
+        if self.emulated:
+            self.output.copy_(self.fn())  # same buffers in, same output tensor out
+        else:
+            self.graph.replay()
+
+
+class DecodeGraphRunner:
+    """Runs decode-only steps through one captured graph per (batch bucket, width bucket).
+
+    Built from a ModelRunner: shares its model weights and KV-cache tensors (no copies).
+    All graphs are captured eagerly, when the runner is built (at engine start).
+    """
+
+    def __init__(
+        self, runner, max_batch_size: int | None = None, max_graph_tokens: int = MAX_GRAPH_TOKENS
+    ):
+        config, kv_cache = runner.config, runner.kv_cache
+        if config.max_blocks_per_seq is None:
+            raise ValueError(
+                "CUDA-graph decode needs config.max_model_len: it bounds the block-table width"
+            )
+        self.model, self.kv_cache, self.device = runner.model, kv_cache, runner.device
+        self.emulated = self.device.type != "cuda"
+        self.block_size = config.block_size
+        # block-table columns: ceil(max_model_len / block_size)
+        self.max_blocks = config.max_blocks_per_seq
+        # decode reads pages in place (paged_flash.py)
+        self.pages = runner.attention_backend == "flash_pages"
+        self.sink_block_id, self.sink_loc = kv_cache.sink_block_id, kv_cache.sink_loc
+        self.buckets, self.widths = graph_shapes(
+            min(config.max_num_seqs, max_batch_size or MAX_GRAPH_BATCH),
+            self.max_blocks,
+            self.block_size,
+            max_graph_tokens,
+        )
+
+        # Static inputs sized for the largest bucket; a graph reads their first rows (and columns).
+        n, long = self.buckets[-1], dict(dtype=torch.long, device=self.device)
+        self.input_ids = torch.zeros(n, **long)  # (n,)
+        self.positions = torch.zeros(n, **long)  # (n,)
+        self.cache_locs = torch.zeros(n, **long)  # (n,)
+        self.context_lens = torch.zeros(n, **long)  # (n,)
+        self.block_tables = torch.zeros(n, self.max_blocks, **long)  # (n, max_blocks)
+        # (n + 1,): one query per row, never changes
+        self.query_start_loc = torch.arange(n + 1, **long)
+
+        self.pool = None if self.emulated else torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], CapturedStep] = {}  # (rows, columns) -> its graph
+        self.last_bucket: int | None = None  # the batch bucket the last run() replayed
+        self.last_width: int | None = None  # and its width in block-table columns
+        self.num_replays = 0  # decode steps served by graphs so far
+        self.capture_seconds = self.capture_all()
+
+    # ------------------------------------------------------------------ capture
+    def _step_fn(self, b: int, w: int):
+        """The decode step of b rows and w table columns as a callable over the static buffers
+        only."""
+        meta = AttentionMetadata(
+            cache_locs=self.cache_locs[:b],
+            block_tables=self.block_tables[:b, :w],
+            context_lens=self.context_lens[:b],
+            query_start_loc=self.query_start_loc[: b + 1],
+            num_decodes=b,  # a shape, the same at every replay
+            # Host lists hold capture-time (padding) values, as a graph would freeze them.
+            # The decode path must never read them; tests/test_cuda_graph.py shows it would tell.
+            query_start_loc_host=list(range(b + 1)),
+            context_lens_host=[1] * b,
+        )
+        input_ids, positions = self.input_ids[:b], self.positions[:b]
+
+        def step():
+            if self.pages:  # the (row, block) pairs, computed on the device inside the graph
+                meta.pages = page_pairs(
+                    meta.block_tables,
+                    meta.context_lens,
+                    self.block_size,
+                    self.kv_cache.num_locations,
+                )
+            # (b, hidden): the logits run after
+            return self.model(input_ids, positions, self.kv_cache, meta)
+
+        return step
+
+    @torch.inference_mode()
+    def capture_all(self) -> float:
+        """Warm up and capture every graph, largest first. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        self._pad(0, self.buckets[-1])  # all rows are padding: warm-ups write only the sink
+        for b in reversed(self.buckets):  # largest first: it sizes the shared pool
+            for i, w in enumerate(reversed(self.widths[b])):
+                step = self._step_fn(b, w)
+                if (
+                    i == 0
+                    # warm-up outside the capture: lazy init (cuBLAS handles, workspaces) happens
+                    # here
+                ):
+                    step()
+                    if not self.emulated:
+                        torch.cuda.synchronize(self.device)
+                self.graphs[b, w] = CapturedStep(step, self.device, self.pool)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ replay
+    def bucket_for(self, batch_size: int) -> int | None:
+        """The smallest batch bucket that holds batch_size rows, or None (run eagerly)."""
+        i = bisect.bisect_left(self.buckets, batch_size)
+        return self.buckets[i] if i < len(self.buckets) and batch_size > 0 else None
+
+    def graph_for(self, batch_size: int, width: int) -> tuple[int, int] | None:
+        """(rows, columns) of the smallest graph holding batch_size rows of `width` table columns,
+        or None."""
+        b = self.bucket_for(batch_size)
+        w = next((w for w in self.widths[b] if w >= width), None) if b is not None else None
+        return None if w is None else (b, w)
+
+    def can_run(self, out) -> bool:
+        """True for a step of decode rows only (verifying rows included: one graph row per token)
+        that fits a graph."""
+        rows, bs = out.scheduled, self.block_size
+        # table columns it reads
+        width = max((cdiv(r.start + r.num_tokens, bs) for r in rows), default=0)
+        return (
+            all(not r.is_prefill and r.do_sample for r in rows)
+            and self.graph_for(sum(r.num_tokens for r in rows), width) is not None
+        )
+
+    def _pad(self, start: int, stop: int) -> None:
+        """Make rows start..stop-1 padding: token 0 at position 0, writing and reading only the
+        sink."""
+        self.input_ids[start:stop] = 0
+        self.positions[start:stop] = 0
+        self.cache_locs[start:stop] = self.sink_loc
+        self.context_lens[start:stop] = 1
+        self.block_tables[start:stop] = self.sink_block_id
+
+    @torch.inference_mode()
+    def run(self, out, h=None) -> torch.Tensor:
+        """Copy the live batch in, pad to its graph, replay. Returns (num_tokens, vocab) logits, in
+        row order (one graph row per token: a verifying row of k drafts fills k + 1). `h`: the
+        step's HostInputs, if made."""
+        bs = self.block_size
+        # Host-side bookkeeping, outside the graph (Python values are fine here): the eager path's
+        # lists.
+        h = h or host_inputs(out, bs)
+        num_rows = len(h.input_ids)
+        width = max((len(t) for t in h.block_tables), default=0)  # the columns this step needs
+        key = self.graph_for(num_rows, width) if self.can_run(out) else None
+        if key is None:
+            raise ValueError(
+                f"not a decode-only step of 1..{self.buckets[-1]} rows of at most "
+                f"{self.widths[self.buckets[0]][-1]} table columns: run it eagerly"
+            )
+        locs = cache_locations(h.block_tables, h.context_lens, h.query_lens, bs)
+
+        def host(x):
+            # built on the CPU; copy_ moves it to the device
+            return torch.tensor(x, dtype=torch.long)
+
+        self.input_ids[:num_rows].copy_(host(h.input_ids))
+        self.positions[:num_rows].copy_(host(h.positions))
+        self.cache_locs[:num_rows].copy_(host(locs))
+        self.context_lens[:num_rows].copy_(host(h.context_lens))
+        self.block_tables[:num_rows, :width].copy_(
+            host(pad_tables(h.block_tables, width, self.sink_block_id))
+        )
+        self.block_tables[:num_rows, width:] = self.sink_block_id  # masked (or empty pages) anyway
+        self._pad(num_rows, key[0])
+        graph = self.graphs[key]
+        graph.replay()
+        self.last_bucket, self.last_width = key
+        self.num_replays += 1
+        # Logits outside the graph, for the live rows only: a graph's output stays allocated as long
+        # as the graph, and 115 graphs' (rows, vocab) logits held 2.8 GiB on the H200; their hidden
+        # states hold 20 MB.
+        return self.model.compute_logits(graph.output[:num_rows])  # (num_tokens, vocab)
+
+    def __repr__(self) -> str:
+        mode = "emulated on CPU" if self.emulated else f"CUDA graphs on {self.device}"
+        return (
+            f"DecodeGraphRunner({mode}, {len(self.graphs)} graphs: buckets={self.buckets}, "
+            f"widths={self.widths[self.buckets[0]]}, captured in {self.capture_seconds:.2f} s)"
+        )

@@ -1,0 +1,145 @@
+"""The paged KV cache: fixed-size blocks of key/value entries, one pool per layer.
+
+Idea (PagedAttention, Kwon et al., SOSP 2023, "Efficient Memory Management for Large
+Language Model Serving with PagedAttention"): instead of one contiguous buffer per
+request, the cache is a pool of equal blocks of `block_size` tokens. A request
+owns a list of block ids (its block_table), handed out by the pure-Python
+BlockManager, so memory is allocated one block at a time: any free block fits any request (no
+external fragmentation), and at most the last, partly filled block of a request is wasted.
+
+Layout, per layer: `k_caches[i]` and `v_caches[i]` have shape
+(num_blocks + 1, block_size, num_kv_heads, head_dim). A token's cache location
+is `block_id * block_size + offset`; viewed flat, the cache is (num_locations, kv_heads, head_dim).
+
+The extra last block (id `num_blocks`) is the *sink*. It belongs to no request: padded
+rows of a batch (CUDA-graph buckets) write their K/V into it and read only from it, so
+padding can never touch a real request's cache.
+
+CPU swap space (`num_cpu_blocks`) holds blocks of preempted requests
+(preemption_mode="swap"); `swap_out` / `swap_in` copy whole blocks for all layers at once.
+The cache may hold another dtype than the model computes in (kv_cache_dtype="fp8": kv_quant.py).
+"""
+
+import torch
+
+from ..model_executor.hf_config import head_dim_of, num_kv_heads_of
+from ..model_executor.kv_quant import KVQuant
+
+
+class KVCache:
+    """Paged K/V tensors for every layer, plus the sink block and CPU swap space."""
+
+    def __init__(
+        self,
+        hf_config,
+        num_blocks: int,
+        block_size: int,
+        dtype,
+        device,
+        num_cpu_blocks: int = 0,
+        cache_dtype=None,
+    ):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_blocks = num_blocks  # blocks the BlockManager may hand out: ids 0..num_blocks-1
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads_of(hf_config)
+        self.head_dim = head_dim_of(hf_config)
+        self.dtype = dtype  # what attention computes in
+        self.cache_dtype = cache_dtype or dtype  # what the cache holds: fewer bytes, more blocks
+        self.device = torch.device(device)
+        # Per layer, None when the cache holds the model's dtype; else how K/V go in and out (with
+        # fp8 scales)
+        self.quant = [
+            KVQuant(self.cache_dtype, self.device) if self.cache_dtype != dtype else None
+            for _ in range(self.num_layers)
+        ]
+        # fp8 bytes are kept as uint8
+        storage = self.quant[0].storage_dtype() if self.quant[0] else dtype
+        self.num_cpu_blocks = num_cpu_blocks
+        self.sink_block_id = num_blocks  # the extra block at the end
+        self.sink_loc = self.sink_block_id * block_size  # the sink's first cache location
+        # rows of the flat (locations, kv_heads, head_dim) view
+        self.num_locations = (num_blocks + 1) * block_size
+
+        # One tensor for all layers, so that swapping a set of blocks is one
+        # index_select over dim 1 instead of a loop over layers.
+        # (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)
+        block_shape = (block_size, self.num_kv_heads, self.head_dim)
+        # zeros, not empty: padded rows read the sink, and although their attention weights on it
+        # are masked to 0, 0 * NaN from uninitialised memory would still be NaN.
+        self.k = torch.zeros(
+            (self.num_layers, num_blocks + 1, *block_shape), dtype=storage, device=self.device
+        )
+        self.v = torch.zeros_like(self.k)
+        self.k_caches = list(self.k.unbind(0))  # views, one per layer
+        self.v_caches = list(self.v.unbind(0))
+
+        # Pinned host memory makes device <-> host copies fast (and possible to overlap).
+        pin = self.device.type == "cuda"
+        cpu_shape = (self.num_layers, num_cpu_blocks, *block_shape)
+        self.cpu_k = torch.zeros(cpu_shape, dtype=storage, device="cpu", pin_memory=pin)
+        self.cpu_v = torch.zeros(cpu_shape, dtype=storage, device="cpu", pin_memory=pin)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of device memory held by the K and V pools (sink block included)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def _check_ids(self, ids: list[int], limit: int, what: str) -> None:
+        for i in ids:
+            if not 0 <= i < limit:
+                raise ValueError(f"{what} block id {i} is out of range: expected 0 <= id < {limit}")
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU blocks, all layers at once. pairs: (gpu_block, cpu_block)."""
+        if not pairs:
+            return
+        gpu_ids, cpu_ids = [g for g, _ in pairs], [c for _, c in pairs]
+        self._check_ids(gpu_ids, self.num_blocks, "gpu")  # the sink is never swapped
+        self._check_ids(cpu_ids, self.num_cpu_blocks, "cpu")
+        src = torch.tensor(gpu_ids, dtype=torch.long, device=self.device)
+        dst = torch.tensor(cpu_ids, dtype=torch.long)
+        # (num_layers, len(pairs), block_size, kv_heads, head_dim) gathered on device, then one
+        # transfer
+        self.cpu_k.index_copy_(1, dst, self.k.index_select(1, src).cpu())
+        self.cpu_v.index_copy_(1, dst, self.v.index_select(1, src).cpu())
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks back to device blocks, all layers at once. pairs: (cpu_block,
+        gpu_block)."""
+        if not pairs:
+            return
+        cpu_ids, gpu_ids = [c for c, _ in pairs], [g for _, g in pairs]
+        self._check_ids(cpu_ids, self.num_cpu_blocks, "cpu")
+        self._check_ids(gpu_ids, self.num_blocks, "gpu")
+        src = torch.tensor(cpu_ids, dtype=torch.long)
+        dst = torch.tensor(gpu_ids, dtype=torch.long, device=self.device)
+        self.k.index_copy_(1, dst, self.cpu_k.index_select(1, src).to(self.device))
+        self.v.index_copy_(1, dst, self.cpu_v.index_select(1, src).to(self.device))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: device block src to device block dst, all layers at once. pairs: (src,
+        dst)."""
+        if not pairs:
+            return
+        src_ids, dst_ids = [s for s, _ in pairs], [d for _, d in pairs]
+        self._check_ids(src_ids + dst_ids, self.num_blocks, "gpu")
+        src = torch.tensor(src_ids, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dst_ids, dtype=torch.long, device=self.device)
+        self.k.index_copy_(1, dst, self.k.index_select(1, src))
+        self.v.index_copy_(1, dst, self.v.index_select(1, src))
+
+    def __repr__(self) -> str:
+        mib = self.num_bytes / 2**20
+        return (
+            f"KVCache(layers={self.num_layers}, blocks={self.num_blocks} + 1 sink, "
+            f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dtype={str(self.cache_dtype).removeprefix('torch.')}, "
+            f"device={self.device}, {mib:.1f} MiB, cpu_blocks={self.num_cpu_blocks})"
+        )

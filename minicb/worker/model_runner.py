@@ -1,0 +1,253 @@
+"""ModelRunner: turns one SchedulerOutput into flat tensors, runs the model once, samples.
+
+This is the seam between the scheduler's world (requests, block tables, token counts) and the
+model's world (one flat batch of tokens). Every scheduled row contributes `num_tokens`
+consecutive tokens to `input_ids`; `positions` give each token's place in its own sequence;
+`cache_locs` says where its K/V goes in the paged cache; `block_tables` and `context_lens`
+say what each row may attend to. There is no padding between requests: a step with 60 decodes
+and one 200-token prefill chunk is a (260, hidden) matrix, which is what makes mixing prefill
+and decode in one step cheap.
+
+Decode-only steps may instead be replayed from a captured CUDA graph (`graph_runner`, a
+DecodeGraphRunner from cuda_graph.py, set by the engine when `use_cuda_graph` is on): it copies
+the same inputs into static buffers and returns the same logits. Sampling always runs here,
+outside the graph, and the eager path below is the reference every graph must match.
+"""
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import torch
+
+from ..config import cdiv
+from ..core.request import Request
+from ..core.scheduler import SchedulerOutput
+from ..model_executor.attention import AttentionMetadata
+from ..model_executor.paged_flash import page_pairs
+from ..model_executor.ragged_attention import decode_groups
+from ..outputs import Logprob
+from ..sample.logprobs import gather_logprobs, logprobs, prompt_logprobs
+from ..sample.penalties import process_logits
+from ..sample.rejection_sampler import verify_drafts
+from ..sample.sampler import Sampler
+from ..spec_decode.ngram_proposer import SpecDecodingStats
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced (vLLM's name). `sampled_token_ids` holds one token per row with
+    `do_sample`, in row order, except that a row whose request is about to fork its n samples
+    holds n tokens in a row: its own, then its forks' (None: that sequence's sampling failed)."""
+
+    sampled_token_ids: list[int | None] = field(default_factory=list)
+    # request id -> this token's
+    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    # id -> new entries
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+    # request id -> why its sampling failed
+    errors: dict[str, Exception] = field(default_factory=dict)
+    # id -> drafts kept, before its sampled token
+    accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class HostInputs:
+    """One step's inputs as plain Python lists, before they become tensors (the part of input
+    preparation that runs on the CPU between two GPU steps, and that W3 times). Attention rows are
+    the scheduler's rows, except that a decode row with drafts to verify (spec_decode.py) is fed as
+    one one-query attention row per token: its query j sees the first start + j + 1 tokens, exactly
+    what a decode at that position sees, so every such row takes the batched decode path (and fits a
+    graph)."""
+
+    input_ids: list[int]  # (num_tokens,): every scheduled token of every row, rows concatenated
+    positions: list[int]  # (num_tokens,): each token's position in its own sequence
+    block_tables: list[list[int]]  # per attention row: only the blocks in use after this step
+    context_lens: list[int]  # per attention row: tokens in the cache after this step's writes
+    query_lens: list[int]  # per attention row: tokens fed this step
+    num_decodes: int  # the leading one-token attention rows, which take the batched decode path
+    sample_rows: list[int]  # scheduler rows that sample a token this step
+    row_starts: list[int]  # per scheduler row: the index of its first token in input_ids
+    # the tokens whose logits are computed: each sampling row's last, a verifying row's all
+    logits_indices: list[int]
+
+
+def host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
+    inputs = HostInputs([], [], [], [], [], 0, [], [], [])
+    for i, row in enumerate(out.scheduled):
+        start, n = row.start, row.num_tokens
+        inputs.row_starts.append(len(inputs.input_ids))
+        inputs.input_ids += row.token_ids
+        inputs.positions += range(start, start + n)
+        # one attention row per token (decodes, verifying rows)
+        per_token = n == 1 or not row.is_prefill
+        lens = range(start + 1, start + n + 1) if per_token else [start + n]
+        if per_token and inputs.num_decodes == len(inputs.context_lens):
+            inputs.num_decodes += n
+        inputs.context_lens += lens
+        inputs.query_lens += [1] * n if per_token else [n]
+        inputs.block_tables += [row.block_table[: cdiv(c, block_size)] for c in lens]
+        if row.do_sample:
+            inputs.sample_rows.append(i)
+            inputs.logits_indices += range(
+                len(inputs.input_ids) - 1 - len(row.spec_token_ids), len(inputs.input_ids)
+            )
+    return inputs
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache, config, device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.config = config
+        self.device = torch.device(device)
+        self.sampler = Sampler(config.seed)
+        self.graph_runner = None  # a DecodeGraphRunner when CUDA graphs are enabled
+        self.tp = (
+            None  # parallel.TensorParallel with tensor_parallel_size > 1: workers mirror every step
+        )
+        self.attention_backend = (
+            "gather"  # or "flash_pages": the engine picks (config.attention_backend)
+        )
+        self.spec_stats = SpecDecodingStats()  # drafts verified and accepted (speculative decoding)
+        self.last_graph_bucket = self.last_graph_width = (
+            None  # rows and table columns of the last graph replayed
+        )
+
+    def prepare_inputs(self, out: SchedulerOutput):
+        """(input_ids, positions, meta, logits_indices): everything the forward pass needs."""
+        return self.inputs_from_host(host_inputs(out, self.config.block_size))
+
+    def inputs_from_host(self, h: HostInputs):
+        meta = AttentionMetadata.build(
+            h.block_tables,
+            h.context_lens,
+            h.query_lens,
+            h.num_decodes,
+            self.config.block_size,
+            self.kv_cache.sink_block_id,
+            self.device,
+        )
+        if (
+            self.attention_backend == "flash_pages" and h.num_decodes
+        ):  # decode reads the pages in place
+            meta.pages = page_pairs(
+                meta.block_tables[: h.num_decodes],
+                meta.context_lens[: h.num_decodes],
+                self.config.block_size,
+                self.kv_cache.num_locations,
+            )
+        elif (
+            self.device.type == "cpu" and h.num_decodes
+        ):  # eager CPU: decode rows grouped by length, once a step
+            meta.decode_groups = decode_groups(
+                h.block_tables[: h.num_decodes],
+                h.context_lens[: h.num_decodes],
+                self.config.block_size,
+                self.kv_cache.sink_block_id,
+                self.kv_cache.dtype,
+                self.device,
+            )
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
+        return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.logits_indices
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: block copies, one forward pass, sampling (see ModelRunnerOutput)."""
+        # Block copies first, in this order: a block swapped out this step may be handed to another
+        # request below, and a copy-on-write source freed this step may be the target of a swap-in.
+        self.kv_cache.swap_out(out.blocks_to_swap_out)
+        self.kv_cache.copy_blocks(out.blocks_to_copy)
+        self.kv_cache.swap_in(out.blocks_to_swap_in)
+        self.last_graph_bucket = self.last_graph_width = None
+        result, rows = ModelRunnerOutput(), out.scheduled
+        h = host_inputs(out, self.config.block_size) if rows else None
+        if self.tp is not None:  # every worker does the same block copies and forward on its shard
+            self.tp.step(out, h)
+        if not rows:
+            return result
+        if self.graph_runner is not None and self.graph_runner.can_run(
+            out
+        ):  # decode rows only, fits a graph
+            # (num_tokens, vocab): every token of such a step is scored
+            logits = self.graph_runner.run(out, h)
+            self.last_graph_bucket, self.last_graph_width = (
+                self.graph_runner.last_bucket,
+                self.graph_runner.last_width,
+            )
+        else:
+            input_ids, positions, meta, logits_indices = self.inputs_from_host(h)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (num_tokens, hidden)
+            result.prompt_logprobs = prompt_logprobs(
+                rows, hidden, h.row_starts, self.model.compute_logits
+            )
+            if not h.sample_rows:
+                return result
+            logits = self.model.compute_logits(
+                hidden[torch.tensor(logits_indices, device=self.device)]
+            )
+        # (num_logits, vocab): one row per sampling row, k + 1 for a row verifying k drafts. Its
+        # last one samples.
+        last = [
+            end - 1 for end in accumulate(1 + len(rows[i].spec_token_ids) for i in h.sample_rows)
+        ]
+        last_logits = (
+            logits
+            if len(last) == logits.shape[0]
+            else logits[torch.tensor(last, device=self.device)]
+        )
+        # A request about to fork samples its n first tokens from its one row of logits.
+        seqs = [seq for i in h.sample_rows for seq in [rows[i].request, *rows[i].request.forks]]
+        if len(seqs) > len(h.sample_rows):
+            repeat = [
+                j for j, i in enumerate(h.sample_rows) for _ in range(rows[i].request.num_seqs)
+            ]
+            last_logits = last_logits[torch.tensor(repeat, device=self.device)]  # (num_seqs, vocab)
+        self.sample(last_logits, seqs, result)
+        if (
+            len(last) < logits.shape[0]
+        ):  # drafts to verify: which are kept, and the token after them
+            verify_drafts(
+                [rows[i] for i in h.sample_rows],
+                last,
+                logits,
+                result,
+                self.sampler,
+                self._generator,
+                self.spec_stats,
+            )
+        return result
+
+    def _generator(self, req):
+        """A seeded request keeps one generator for its whole life (made on its first sample)."""
+        if req.generator is None and req.params.seed is not None:
+            req.generator = self.sampler.generator_for(req.params.seed, self.device)
+        return req.generator
+
+    def sample(self, logits, seqs: list[Request], result: ModelRunnerOutput) -> None:
+        """One token per row of logits (one per sequence in `seqs`), all rows in one call: logits
+        processors, then log-probabilities where asked, then the draw. If that fails, the rows are
+        sampled one by one, so a request whose own settings break sampling fails alone (its token
+        is None) and every other request of the batch still gets its token."""
+        try:
+            result.sampled_token_ids += self._sample(logits, seqs, result)
+        except Exception:
+            for i, seq in enumerate(seqs):
+                try:
+                    result.sampled_token_ids += self._sample(logits[i : i + 1], [seq], result)
+                except Exception as e:
+                    result.sampled_token_ids.append(None)
+                    result.errors[seq.request_id] = e
+
+    def _sample(self, logits, seqs: list[Request], result: ModelRunnerOutput) -> list[int]:
+        params = [s.params for s in seqs]
+        # (n, vocab): the very tensor when none is set
+        logits = process_logits(logits, params, seqs)
+        tokens = self.sampler(logits, params, [self._generator(s) for s in seqs]).tolist()
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if rows:
+            picked = logits[torch.tensor(rows, device=logits.device)]
+            found = gather_logprobs(
+                logprobs(picked), [tokens[i] for i in rows], [params[i].logprobs for i in rows]
+            )
+            result.logprobs.update((seqs[i].request_id, lp) for i, lp in zip(rows, found))
+        return tokens
