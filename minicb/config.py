@@ -34,9 +34,8 @@ class EngineConfig:
     # reads each block in place as one flash-attention problem and small blocks make tiny ones
     # (paged_flash.py)
     block_size: int | None = None
-    num_blocks: int | None = (
-        None  # KV blocks on the device; None: derived from kv_cache_memory_bytes
-    )
+    # KV blocks on the device; None: derived from kv_cache_memory_bytes
+    num_blocks: int | None = None
     # Memory budget of the KV cache (vLLM's name). None: 512 MiB on CPU, which a laptop can spare;
     # on CUDA what gpu_memory_utilization leaves after the weights, activations and graphs, measured
     # (memory.py)
@@ -52,9 +51,8 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     num_cpu_blocks: int | None = None  # swap space in blocks; None: as many as num_blocks
     enable_prefix_caching: bool = True  # reuse full blocks whose token prefix was computed before
-    max_model_len: int | None = (
-        None  # prompt + output limit; None: the model's (or unlimited in sim)
-    )
+    # prompt + output limit; None: the model's (or unlimited in sim)
+    max_model_len: int | None = None
 
     # --- scheduling ---
     # Batch slots, requests running at once (a decode step's batch size); None: 64 on CPU, 256 on
@@ -218,12 +216,10 @@ class SpeculativeConfig:
     the other (vLLM's rule: min = max = 3 here); neither given: both 5."""
 
     method: str = "ngram"
-    num_speculative_tokens: int | None = (
-        None  # k: drafts per step, a step yields up to k + 1 tokens (required)
-    )
-    prompt_lookup_max: int | None = (
-        None  # the longest suffix looked up (tried first: a longer match guesses better)
-    )
+    # k: drafts per step, a step yields up to k + 1 tokens (required)
+    num_speculative_tokens: int | None = None
+    # the longest suffix looked up (tried first: a longer match guesses better)
+    prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None  # the shortest; short suffixes match often and guess worse
 
     def __post_init__(self):

@@ -58,12 +58,10 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     query_start_loc_host: list[int]  # host copies: the prefill loop never waits for the device
     context_lens_host: list[int]
-    decode_groups: object = (
-        None  # eager CPU steps: the decode rows grouped by length (ragged_attention.py)
-    )
-    pages: object = (
-        None  # CUDA: the decode rows' (row, block) pairs, read in place (paged_flash.py)
-    )
+    # eager CPU steps: the decode rows grouped by length (ragged_attention.py)
+    decode_groups: object = None
+    # CUDA: the decode rows' (row, block) pairs, read in place (paged_flash.py)
+    pages: object = None
 
     @property
     def num_seqs(self) -> int:

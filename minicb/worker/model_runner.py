@@ -102,16 +102,13 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(config.seed)
         self.graph_runner = None  # a DecodeGraphRunner when CUDA graphs are enabled
-        self.tp = (
-            None  # parallel.TensorParallel with tensor_parallel_size > 1: workers mirror every step
-        )
-        self.attention_backend = (
-            "gather"  # or "flash_pages": the engine picks (config.attention_backend)
-        )
+        # parallel.TensorParallel with tensor_parallel_size > 1: workers mirror every step
+        self.tp = None
+        # or "flash_pages": the engine picks (config.attention_backend)
+        self.attention_backend = "gather"
         self.spec_stats = SpecDecodingStats()  # drafts verified and accepted (speculative decoding)
-        self.last_graph_bucket = self.last_graph_width = (
-            None  # rows and table columns of the last graph replayed
-        )
+        # rows and table columns of the last graph replayed
+        self.last_graph_bucket = self.last_graph_width = None
 
     def prepare_inputs(self, out: SchedulerOutput):
         """(input_ids, positions, meta, logits_indices): everything the forward pass needs."""
