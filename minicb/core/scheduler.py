@@ -183,7 +183,7 @@ class Scheduler:
         num_preempted = len(out.preempted) + len(out.swapped_out)  # by priority, just above
         rows, budget = self._schedule_running(out, budget)
         running_fit = len(out.preempted) + len(out.swapped_out) == num_preempted
-        if running_fit:  # blocks ran out: nobody new comes in
+        if running_fit:  # otherwise blocks ran out, and nobody new comes in
             swapped_rows, budget = self._schedule_swapped(out, budget)
             waiting_rows, budget = self._schedule_waiting(out, budget)
             rows += swapped_rows + waiting_rows
