@@ -34,9 +34,8 @@ class EngineConfig:
     # reads each block in place as one flash-attention problem and small blocks make tiny ones
     # (paged_flash.py)
     block_size: int | None = None
-    num_blocks: int | None = (
-        None  # KV blocks on the device; None: derived from kv_cache_memory_bytes
-    )
+    # KV blocks on the device; None: derived from kv_cache_memory_bytes
+    num_blocks: int | None = None
     # Memory budget of the KV cache (vLLM's name). None: 512 MiB on CPU, which a laptop can spare;
     # on CUDA what gpu_memory_utilization leaves after the weights, activations and graphs, measured
     # (memory.py)
@@ -52,9 +51,8 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     num_cpu_blocks: int | None = None  # swap space in blocks; None: as many as num_blocks
     enable_prefix_caching: bool = True  # reuse full blocks whose token prefix was computed before
-    max_model_len: int | None = (
-        None  # prompt + output limit; None: the model's (or unlimited in sim)
-    )
+    # prompt + output limit; None: the model's (or unlimited in sim)
+    max_model_len: int | None = None
 
     # --- scheduling ---
     # Batch slots, requests running at once (a decode step's batch size); None: 64 on CPU, 256 on
@@ -104,9 +102,8 @@ class EngineConfig:
             ("max_num_seqs", 64, 256),
             ("max_num_batched_tokens", 256, 8192),
         ):
-            if (
-                getattr(self, name) is None
-            ):  # the device's default (frozen: set it the dataclass way)
+            # the device's default (frozen: set it the dataclass way)
+            if getattr(self, name) is None:
                 object.__setattr__(self, name, cuda if self.device.startswith("cuda") else cpu)
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.of(self.speculative_config)
@@ -116,7 +113,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is None and allow_none:
                 return
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            is_positive_int = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            if not is_positive_int:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in (
@@ -128,11 +126,12 @@ class EngineConfig:
             positive(name)
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
             positive(name, allow_none=True)
-        if self.num_cpu_blocks is not None and (
-            not isinstance(self.num_cpu_blocks, int)
-            or isinstance(self.num_cpu_blocks, bool)
-            or self.num_cpu_blocks < 0
-        ):
+        is_valid_num_cpu_blocks = self.num_cpu_blocks is None or (
+            isinstance(self.num_cpu_blocks, int)
+            and not isinstance(self.num_cpu_blocks, bool)
+            and self.num_cpu_blocks >= 0
+        )
+        if not is_valid_num_cpu_blocks:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
         for name, allowed in (
             ("batching", BATCHING_MODES),
@@ -144,11 +143,12 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {allowed}")
-        if not (
+        is_valid_use_cuda_graph = (
             self.use_cuda_graph is True
             or self.use_cuda_graph is False
             or self.use_cuda_graph == "auto"
-        ):
+        )
+        if not is_valid_use_cuda_graph:
             raise ValueError(
                 f"use_cuda_graph must be True, False or 'auto', got {self.use_cuda_graph!r}"
             )
@@ -176,10 +176,11 @@ class EngineConfig:
                 f"prepack_cpu_weights must be True, False, 'auto' or 'other', "
                 f"got {self.prepack_cpu_weights!r}"
             )
-        if not (
+        is_valid_gpu_memory_utilization = (
             isinstance(self.gpu_memory_utilization, (int, float))
             and 0 < self.gpu_memory_utilization <= 1
-        ):
+        )
+        if not is_valid_gpu_memory_utilization:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
@@ -215,12 +216,10 @@ class SpeculativeConfig:
     the other (vLLM's rule: min = max = 3 here); neither given: both 5."""
 
     method: str = "ngram"
-    num_speculative_tokens: int | None = (
-        None  # k: drafts per step, a step yields up to k + 1 tokens (required)
-    )
-    prompt_lookup_max: int | None = (
-        None  # the longest suffix looked up (tried first: a longer match guesses better)
-    )
+    # k: drafts per step, a step yields up to k + 1 tokens (required)
+    num_speculative_tokens: int | None = None
+    # the longest suffix looked up (tried first: a longer match guesses better)
+    prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None  # the shortest; short suffixes match often and guess worse
 
     def __post_init__(self):
@@ -242,7 +241,8 @@ class SpeculativeConfig:
         )
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            is_positive_int = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            if not is_positive_int:
                 raise ValueError(
                     f"speculative_config {name} must be a positive integer, got {value!r}"
                 )

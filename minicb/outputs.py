@@ -30,9 +30,8 @@ class CompletionOutput:
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when requested
     logprobs: list | None = None  # per token: {token id: logprob}, when requested
     finish_reason: str | None = None  # "stop" | "length" | "abort" (| "error") once finished
-    stop_reason: int | str | None = (
-        None  # the stop token id (or string) that ended it; None for EOS
-    )
+    # the stop token id (or string) that ended it; None for EOS
+    stop_reason: int | str | None = None
     new_token_ids: list[int] = field(default_factory=list)  # minicb: the tokens added in this step
 
     def finished(self) -> bool:

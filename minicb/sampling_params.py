@@ -14,13 +14,11 @@ from dataclasses import dataclass
 MAX_TOP_K = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_TOKEN_ID = 2**63 - 1  # token ids are int64 tensors
-MAX_LOGPROBS = (
-    20  # alternatives per position, as vLLM's default max_logprobs (OpenAI allows 20 too)
-)
+# alternatives per position, as vLLM's default max_logprobs (OpenAI allows 20 too)
+MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one logit_bias value: [-100, 100]
-MAX_REPETITION_PENALTY = (
-    100.0  # [1/100, 100]: vLLM takes any r > 0, but logit / 1e-40 overflows to NaN
-)
+# [1/100, 100]: vLLM takes any r > 0, but logit / 1e-40 overflows to NaN
+MAX_REPETITION_PENALTY = 100.0
 
 
 def _is_int(v) -> bool:
@@ -37,15 +35,13 @@ def _is_number(
 class SamplingParams:
     max_tokens: int = 16  # generated tokens at most (the request finishes with reason "length")
     temperature: float = 1.0  # 0 means greedy; higher flattens the distribution
-    top_k: int = (
-        0  # keep only the k most likely tokens; 0 (or -1, as vLLM also accepts) turns it off
-    )
+    # keep only the k most likely tokens; 0 (or -1, as vLLM also accepts) turns it off
+    top_k: int = 0
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     seed: int | None = None  # per-request generator: same tokens whatever else is in the batch
     stop_token_ids: tuple[int, ...] | None = None  # extra tokens that end the request ("stop")
-    stop: tuple[str, ...] | None = (
-        None  # strings that end it, found in the text; not shown (vLLM's)
-    )
+    # strings that end it, found in the text; not shown (vLLM's)
+    stop: tuple[str, ...] | None = None
     include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
     ignore_eos: bool = False  # keep generating past EOS (benchmarks want exact lengths)
     # Several samples of one prompt. The prompt is computed once; the samples fork after prefill and
@@ -55,23 +51,19 @@ class SamplingParams:
     # Logits processors, applied in vLLM's order before temperature: min_tokens, logit_bias, then
     # the repetition, frequency and presence penalties. Their neutral values change nothing, not one
     # bit.
-    min_tokens: int = (
-        0  # EOS and stop tokens are forbidden, stop strings not looked for, until this many are out
-    )
+    # EOS and stop tokens are forbidden, stop strings not looked for, until this many are out
+    min_tokens: int = 0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
-    repetition_penalty: float = (
-        1.0  # CTRL's: a seen token's logit is divided (if > 0) or multiplied by it
-    )
+    # CTRL's: a seen token's logit is divided (if > 0) or multiplied by it
+    repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0  # minus this times the token's count in the output so far
     presence_penalty: float = 0.0  # minus this once the token appeared in the output
-    min_p: float = (
-        0.0  # after temperature, drop tokens with probability < min_p * the top probability
-    )
+    # after temperature, drop tokens with probability < min_p * the top probability
+    min_p: float = 0.0
     # Log-probabilities (from the processed logits, before temperature; see sampler.py).
     logprobs: int | None = None  # per generated token: the sampled token's plus this many top ones
-    prompt_logprobs: int | None = (
-        None  # per prompt token (the first has none); no prefix-cache hits
-    )
+    # per prompt token (the first has none); no prefix-cache hits
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         check, integer, number = self._require, _is_int, _is_number

@@ -21,14 +21,12 @@ class SimRequest:
     prompt_len: int
     output_len: int
     arrival_step: int = 0  # the first step in which it may be scheduled (0 and 1: from the start)
-    priority: int = (
-        0  # with scheduling_policy="priority": the lowest value is served first (vLLM's rule)
-    )
+    # with scheduling_policy="priority": the lowest value is served first (vLLM's rule)
+    priority: int = 0
     prompt_token_ids: list[int] | None = None  # give two requests the same prefix to share blocks
     request_id: str | None = None  # default: its index in the input list
-    n: int = (
-        1  # samples of one prompt: they fork after its prefill and share its blocks (copy-on-write)
-    )
+    # samples of one prompt: they fork after its prefill and share its blocks (copy-on-write)
+    n: int = 1
 
 
 @dataclass

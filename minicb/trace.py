@@ -18,12 +18,10 @@ class RowRecord:
     num_tokens: int
     is_prefill: bool
     sampled: bool  # produced a token this step
-    num_drafts: int = (
-        0  # speculative decoding: drafts this row verified (they are among its num_tokens)
-    )
-    num_accepted: int = (
-        0  # and how many of them were kept (the row then yields num_accepted + 1 tokens)
-    )
+    # speculative decoding: drafts this row verified (they are among its num_tokens)
+    num_drafts: int = 0
+    # and how many of them were kept (the row then yields num_accepted + 1 tokens)
+    num_accepted: int = 0
 
 
 @dataclass

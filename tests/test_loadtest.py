@@ -148,9 +148,8 @@ def test_serve_command_carries_the_engine_flags():
     parsed = serve.parse_args(cmd[4:])
     assert engine_config(parsed) == engine_config(args, "/some/model")
     assert (parsed.port, parsed.max_waiting, parsed.engine_in_process) == (8123, 17, True)
-    args.core_threads = (
-        1  # the load test's --core-threads goes to a server with an engine-core process only
-    )
+    # the load test's --core-threads goes to a server with an engine-core process only
+    args.core_threads = 1
     assert (
         serve.parse_args(serve_command(args, None, 8123, 17, in_process=False)[4:]).core_threads
         == 1

@@ -288,9 +288,8 @@ def test_stopping_inside_accepted_drafts_is_like_without(loaded, how):
     free = llm.generate(
         [PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False
     )[0].outputs[0]
-    cut = (
-        6  # the 7th token: inside the second step's drafts (tokens 2..6 come from one verification)
-    )
+    # the 7th token: inside the second step's drafts (tokens 2..6 come from one verification)
+    cut = 6
     word = llm.get_tokenizer().decode([free.token_ids[cut]])
     assert free.token_ids[cut + 2] not in free.token_ids[: cut + 1]
     kw = {

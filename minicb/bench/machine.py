@@ -4,9 +4,8 @@
 import os
 import threading
 
-THREADS_ENV = (
-    "MINICB_NUM_THREADS"  # force torch's thread count in every notebook (CI runs learners with 1)
-)
+# force torch's thread count in every notebook (CI runs learners with 1)
+THREADS_ENV = "MINICB_NUM_THREADS"
 
 
 def pin_torch_threads(wanted: int | None = None) -> int:

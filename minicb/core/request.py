@@ -18,13 +18,11 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"  # holds a slot and KV blocks on the device
     SWAPPED = "swapped"  # preempted by swap: its KV blocks sit in CPU memory
     FINISHED_STOPPED = "stop"  # produced EOS or a stop token
-    FINISHED_LENGTH = (
-        "length"  # reached max_tokens (add_request keeps prompt + max_tokens <= max_model_len)
-    )
+    # reached max_tokens (add_request keeps prompt + max_tokens <= max_model_len)
+    FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"  # aborted by the user (or a disconnected client)
-    FINISHED_ERROR = (
-        "error"  # its own inputs broke a step (sampling, detokenizing): it alone is stopped
-    )
+    # its own inputs broke a step (sampling, detokenizing): it alone is stopped
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -48,24 +46,21 @@ class Request:
         self.token_ids = list(prompt_token_ids)  # prompt + generated, grows by one per sample
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.priority = (
-            priority  # scheduling_policy="priority" serves the lowest value first, as vLLM
-        )
+        # scheduling_policy="priority" serves the lowest value first, as vLLM
+        self.priority = priority
         self.arrival_index = arrival_index  # order of arrival: FIFO key and tie-breaker
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache (0 again after recompute)
         # drafts its next decode verifies (spec_decode.py; vLLM's name)
         self.spec_token_ids: list[int] = []
-        self.num_new_tokens = (
-            0  # tokens the last step that touched it appended: 1, or more with accepted drafts
-        )
+        # tokens the last step that touched it appended: 1, or more with accepted drafts
+        self.num_new_tokens = 0
         self.slot: int | None = None  # row of the batch it occupies while running (for pictures)
         # Stop ids: the model's EOS (unless ignored) and the user's stop tokens.
         self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self.stop_token_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())
-        self.stop_reason: int | str | None = (
-            None  # the user's stop token that ended it (vLLM's stop_reason)
-        )
+        # the user's stop token that ended it (vLLM's stop_reason)
+        self.stop_reason: int | str | None = None
         self.error: str | None = None  # why it finished with "error"
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks (prefix cache)
         self.num_preemptions = 0
@@ -78,9 +73,8 @@ class Request:
         # the prompt is computed; then they fork from this request (Scheduler.fork) and run as
         # requests of their own that share its prompt blocks. Empty for n == 1 and after the fork.
         self.forks: list[Request] = []
-        self.sample_index = (
-            sample_index  # which sample of its prompt this is (CompletionOutput.index)
-        )
+        # which sample of its prompt this is (CompletionOutput.index)
+        self.sample_index = sample_index
         # {id: Logprob} per token
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None

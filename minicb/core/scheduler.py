@@ -95,9 +95,10 @@ class Scheduler:
         self.running.remove(req)
         self._release_slot(req)
         req.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(
+        swaps_out = self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(
             req.request_id
-        ):
+        )
+        if swaps_out:
             out.blocks_to_swap_out += self.block_manager.swap_out(req.request_id)
             req.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, req, key=self.policy_key)
@@ -123,9 +124,10 @@ class Scheduler:
             if best.priority >= victim.priority:  # a lower value outranks; equals never preempt
                 return
             hits, computed, num_new = self._admission(best, self.config.max_num_batched_tokens)
-            if self._has_seats(best) and self.block_manager.can_allocate(
+            fits = self._has_seats(best) and self.block_manager.can_allocate(
                 best.request_id, computed + num_new, hits
-            ):
+            )
+            if fits:
                 return  # it fits without taking anyone's place
             self._preempt(victim, out)
 
@@ -133,19 +135,22 @@ class Scheduler:
     def _num_new_tokens(self, req: Request, computed: int, budget: int) -> int:
         """Tokens to give `req` this step (0: it must wait for a larger budget)."""
         remaining = req.num_tokens - computed
-        if (
+        # a decode verifies its drafts if blocks are free
+        verifies_drafts = (
             remaining == 1
             and req.spec_token_ids
-            and self.block_manager.can_allocate(  # a decode verifies its drafts
+            and self.block_manager.can_allocate(
                 req.request_id, computed + 1 + len(req.spec_token_ids), num_computed=computed
             )
-        ):  # if blocks are free
+        )
+        if verifies_drafts:
             remaining += len(req.spec_token_ids)  # (nobody is preempted for a draft)
-        if (
+        prompt_exceeds_budget = (
             remaining > budget
             and not self.config.enable_chunked_prefill
             and req.num_output_tokens == 0
-        ):
+        )
+        if prompt_exceeds_budget:
             return 0  # without chunked prefill a prompt runs whole (a recompute may still be split)
         return min(remaining, budget)
 
@@ -177,9 +182,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_preempted = len(out.preempted) + len(out.swapped_out)  # by priority, just above
         rows, budget = self._schedule_running(out, budget)
-        if (
-            len(out.preempted) + len(out.swapped_out) == num_preempted
-        ):  # blocks ran out: nobody new comes in
+        running_fit = len(out.preempted) + len(out.swapped_out) == num_preempted
+        if running_fit:  # otherwise blocks ran out, and nobody new comes in
             swapped_rows, budget = self._schedule_swapped(out, budget)
             waiting_rows, budget = self._schedule_waiting(out, budget)
             rows += swapped_rows + waiting_rows
@@ -194,16 +198,16 @@ class Scheduler:
         """Phase 1: give every running request its next tokens, in policy order, decodes first. When
         one needs a block and none is free, the running request the policy ranks last is preempted
         (if it already got a row this step, the row and its tokens are taken back)."""
-        bm, rows = self.block_manager, {}
+        bm = self.block_manager
+        rows = {}
         ranked = sorted(self.running, key=self.policy_key)
         decoding = [r for r in ranked if r.num_tokens - r.num_computed_tokens == 1]
         for req in decoding + [r for r in ranked if r.num_tokens - r.num_computed_tokens > 1]:
             if budget == 0:
                 break
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            if (
-                req.status != RequestStatus.RUNNING or num_new == 0
-            ):  # preempted earlier, or it must wait for budget
+            cannot_schedule = req.status != RequestStatus.RUNNING or num_new == 0
+            if cannot_schedule:  # preempted earlier, or it must wait for budget
                 continue
             while not bm.can_allocate(
                 req.request_id,
@@ -231,19 +235,26 @@ class Scheduler:
     ) -> tuple[list[ScheduledRequest], int]:
         """Phase 2: swapped requests come back while they fit, unless a waiting request ranks before
         them (a static batch's swapped members always come first: nobody else may join)."""
-        c, bm, rows = self.config, self.block_manager, []
-        while self.swapped and budget > 0 and self._has_seats(self.swapped[0]):
+        c = self.config
+        bm = self.block_manager
+        rows = []
+        while self.swapped:
             req = self.swapped[0]
-            if (
+            has_room = budget > 0 and self._has_seats(req)
+            if not has_room:
+                break
+            waiting_ranks_first = (
                 c.batching == "continuous"
                 and self.waiting
                 and self.policy_key(self.waiting[0]) < self.policy_key(req)
-            ):
+            )
+            if waiting_ranks_first:
                 break
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            if num_new == 0 or not bm.can_swap_in(
+            cannot_swap_in = num_new == 0 or not bm.can_swap_in(
                 req.request_id, req.num_computed_tokens + num_new
-            ):
+            )
+            if cannot_swap_in:
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in(req)
@@ -261,7 +272,9 @@ class Scheduler:
         allow. Static batching forms a new batch only when the previous one is done (its members
         take their slots at once and may get their first tokens in later steps); until then only the
         batch's own preempted members come back."""
-        c, bm, rows = self.config, self.block_manager, []
+        c = self.config
+        bm = self.block_manager
+        rows = []
         forming = self._forming_batch()
         while self.waiting:
             req = (
@@ -269,20 +282,22 @@ class Scheduler:
                 if forming
                 else next((r for r in self.waiting if r.request_id in self.static_batch), None)
             )
-            if (
+            must_wait = (
                 req is None
                 or not self._has_seats(req)
                 or (
                     self.swapped
                     and (not forming or self.policy_key(self.swapped[0]) < self.policy_key(req))
                 )
-            ):
+            )
+            if must_wait:
                 # a swapped request comes first: it waits for room, and so does everyone behind it
                 break
             hits, computed, num_new = self._admission(req, budget)
-            if (num_new == 0 and c.batching == "continuous") or not bm.can_allocate(
+            does_not_fit = (num_new == 0 and c.batching == "continuous") or not bm.can_allocate(
                 req.request_id, computed + num_new, hits
-            ):
+            )
+            if does_not_fit:
                 break
             self.waiting.remove(req)
             bm.allocate(req, computed + num_new, hits)
@@ -316,7 +331,9 @@ class Scheduler:
         `do_sample`, in row order (n for a request that forks now: its own, then its forks').
         `accepted_drafts`: the drafts each verifying row kept, which come before its sampled token.
         Returns the requests that received tokens."""
-        samples, accepted_drafts, touched = iter(sampled_token_ids), accepted_drafts or {}, []
+        samples = iter(sampled_token_ids)
+        accepted_drafts = accepted_drafts or {}
+        touched = []
         for row in out.scheduled:
             req = row.request
             tokens = [next(samples) for _ in range(req.num_seqs if row.do_sample else 0)]
@@ -325,9 +342,8 @@ class Scheduler:
             # kept: their K/V stays; the rest's is rolled back
             drafts = accepted_drafts.get(req.request_id, [])
             req.num_computed_tokens += row.num_tokens - len(row.spec_token_ids) + len(drafts)
-            if (
-                row.spec_token_ids
-            ):  # blocks that held only rejected drafts go back (not a cost every row pays)
+            # blocks that held only rejected drafts go back (not a cost every row pays)
+            if row.spec_token_ids:
                 self.block_manager.free_tail(req.request_id, req.num_computed_tokens)
             self.block_manager.cache_full_blocks(req)
             # a verifying row's tokens, then forks' one each
@@ -346,18 +362,14 @@ class Scheduler:
         """Its prompt computed, an n-sample request forks: each other sample runs in a slot reserved
         for it, sharing the prompt's blocks (copy-on-write), and is preempted and finished on its
         own from here on."""
-        children, parent.forks = parent.forks, []
-        for child in (
-            c for c in children if not c.is_finished
-        ):  # not one whose first sampling failed
-            child.token_ids, child.num_computed_tokens = (
-                list(parent.token_ids),
-                parent.num_computed_tokens,
-            )
-            child.block_hashes, child.admitted_step = (
-                list(parent.block_hashes),
-                parent.admitted_step,
-            )
+        children = parent.forks
+        parent.forks = []
+        # not one whose first sampling failed
+        for child in (c for c in children if not c.is_finished):
+            child.token_ids = list(parent.token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.block_hashes = list(parent.block_hashes)
+            child.admitted_step = parent.admitted_step
             self.block_manager.fork(parent.request_id, child.request_id)
             self.requests[child.request_id] = child
             self._take_slot(child)
@@ -381,7 +393,8 @@ class Scheduler:
 
     def take_finished(self) -> list[Request]:
         """Requests that finished or were aborted since the last call."""
-        finished, self.finished = self.finished, []
+        finished = self.finished
+        self.finished = []
         return finished
 
     def __repr__(self):

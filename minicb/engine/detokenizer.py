@@ -34,9 +34,8 @@ class IncrementalDetokenizer:
         # characters that may start a stop string
         self.hold_back = max(map(len, self.stop), default=1) - 1
         self.stop_reason: str | None = None  # the stop string found, once found
-        self.min_tokens = (
-            min_tokens  # no stop string is looked for until more tokens than this are out (vLLM)
-        )
+        # no stop string is looked for until more tokens than this are out (vLLM)
+        self.min_tokens = min_tokens
         self.token_ids: list[int] = []  # every output token seen so far
         self.prefix_offset = 0  # the window starts here: context for the tokens not yet emitted
         self.read_offset = 0  # tokens before this one have had their text emitted

@@ -35,9 +35,8 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         dtype = getattr(torch, config.dtype)
         loaded = loaded or load_model(config.model, dtype)
-        if (
-            loaded.dtype is not None and loaded.dtype != dtype
-        ):  # never silently: exactness depends on it
+        converts_dtype = loaded.dtype is not None and loaded.dtype != dtype
+        if converts_dtype:  # never silently: exactness depends on it
             warnings.warn(
                 f"minicb: the model was loaded in {str(loaded.dtype).removeprefix('torch.')}; "
                 f"the engine converts its weights to {config.dtype} (EngineConfig.dtype)",
@@ -52,8 +51,11 @@ class Engine:
         worker = Worker(config, loaded)
         # with num_blocks, when the cache was sized from the GPU
         self.config = config = worker.config
-        self.tp, self.cpu_kernels, self.memory = worker.tp, worker.cpu_kernels, worker.memory
-        self.kv_cache, self.runner = worker.kv_cache, worker.runner
+        self.tp = worker.tp
+        self.cpu_kernels = worker.cpu_kernels
+        self.memory = worker.memory
+        self.kv_cache = worker.kv_cache
+        self.runner = worker.runner
         self.scheduler = Scheduler(config)
         self.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
         self.input_processor = InputProcessor(
@@ -104,9 +106,8 @@ class Engine:
         samples = self.output_processor.samples.get(request_id)
         if samples is None:
             return None
-        for (
-            sample
-        ) in samples:  # samples not forked yet finish with the first one (Scheduler._finish)
+        # samples not forked yet finish with the first one (Scheduler._finish)
+        for sample in samples:
             if self.scheduler.abort_request(sample.request_id) is not None:
                 sample.metrics.finish_time = time.perf_counter()
         return self.output_processor.output(request_id)
@@ -123,10 +124,10 @@ class Engine:
         """Stop one sample whose own inputs broke this step; everything else keeps running."""
         req = self.scheduler.abort_request(request_id, RequestStatus.FINISHED_ERROR)
         sample = self.output_processor.sample(request_id)
-        if (
-            req is None and sample is not None and not sample.is_finished
-        ):  # it was to fork: Scheduler.fork skips it
-            req, sample.status = sample, RequestStatus.FINISHED_ERROR
+        is_unforked_sample = req is None and sample is not None and not sample.is_finished
+        if is_unforked_sample:  # it was to fork: Scheduler.fork skips it
+            req = sample
+            sample.status = RequestStatus.FINISHED_ERROR
         if req is not None:
             req.error = why
             req.metrics.finish_time = time.perf_counter()
@@ -168,9 +169,8 @@ class Engine:
                 self._add_tokens(req, result.logprobs.get(req.request_id))
             except Exception as e:  # e.g. its text cannot be decoded: it fails alone
                 self._fail(req.request_id, f"{type(e).__name__}: {e}")
-            for _ in range(
-                req.num_new_tokens
-            ):  # more than one when drafts were accepted: they come out together
+            # more than one when drafts were accepted: they come out together
+            for _ in range(req.num_new_tokens):
                 req.metrics.record_token(now)
         finished = self.scheduler.take_finished()
         if self.proposer is not None:  # drafts for the next step (spec_decode.py)
@@ -194,9 +194,10 @@ class Engine:
         for i in range(req.num_tokens - req.num_new_tokens, req.num_tokens):
             # a stop token on the last one wins
             stop_string = self.output_processor.add_token(req, logprobs, i)
-            if stop_string is not None and (
+            stops_here = stop_string is not None and (
                 i < req.num_tokens - 1 or req.status != RequestStatus.FINISHED_STOPPED
-            ):
+            )
+            if stops_here:
                 req.num_new_tokens -= req.num_tokens - 1 - i
                 del req.token_ids[i + 1 :]
                 self._stop(req, stop_string)

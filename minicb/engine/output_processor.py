@@ -18,9 +18,8 @@ from .detokenizer import IncrementalDetokenizer
 
 class OutputProcessor:
     def __init__(self, tokenizer):
-        self.tokenizer = (
-            tokenizer  # None for a model without one: outputs then carry token ids only
-        )
+        # None for a model without one: outputs then carry token ids only
+        self.tokenizer = tokenizer
         self.samples: dict[str, list[Request]] = {}  # request id -> its samples, in index order
         self.owner: dict[str, str] = {}  # sample id -> its request's id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}  # sample id -> its growing text

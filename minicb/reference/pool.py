@@ -18,9 +18,8 @@ class StepCost:
     """t_step = a + b * tokens (notebook 05 fits it to measured steps; these defaults are
     illustrative)."""
 
-    a: float = (
-        0.015  # seconds every step pays whatever it carries: reading all weights once, launches
-    )
+    # seconds every step pays whatever it carries: reading all weights once, launches
+    a: float = 0.015
     b: float = 5e-5  # seconds per token in the step: the matmuls grow with the tokens they multiply
 
     def __post_init__(self):

@@ -25,9 +25,8 @@ from ..engine.output_processor import OutputProcessor
 from ..outputs import RequestOutput
 from .metrics import engine_stats
 
-STEP_WAIT_S = (
-    0.05  # step() waits this long for the core's next message, then lets the loop read its inbox
-)
+# step() waits this long for the core's next message, then lets the loop read its inbox
+STEP_WAIT_S = 0.05
 
 
 class RemoteEngine:

@@ -76,9 +76,8 @@ class RequestStream:
                 for item in items:
                     if isinstance(item, Exception):
                         raise item
-                    newest[item.request_id] = (
-                        item  # outputs are cumulative: the newest holds the older
-                    )
+                    # outputs are cumulative: the newest holds the older
+                    newest[item.request_id] = item
                     if item.finished:
                         self.unfinished.discard(item.request_id)
                 yield list(newest.values())
@@ -106,9 +105,8 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         if not isinstance(engine, RemoteEngine):  # the core process keeps its own trace
-            engine.trace.max_steps = (
-                trace_steps  # a server runs for days: keep only the newest steps
-            )
+            # a server runs for days: keep only the newest steps
+            engine.trace.max_steps = trace_steps
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # touched by the engine loop only
         self._ids = itertools.count()

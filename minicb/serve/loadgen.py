@@ -30,9 +30,8 @@ GAUGES = (
     "minicb:kv_blocks_free",
     "minicb:kv_blocks_total",
 )
-STARTUP_TIMEOUT_S = (
-    600  # the embedded model's first load converts its GGUF file (~20 s); a busy machine is slower
-)
+# the embedded model's first load converts its GGUF file (~20 s); a busy machine is slower
+STARTUP_TIMEOUT_S = 600
 
 
 def check_loopback(url: str) -> None:

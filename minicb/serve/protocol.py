@@ -57,9 +57,8 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False  # a last chunk with the token counts
-    continuous_usage_stats: StrictBool = (
-        False  # vLLM's: with include_usage, every chunk carries the counts so far
-    )
+    # vLLM's: with include_usage, every chunk carries the counts so far
+    continuous_usage_stats: StrictBool = False
 
 
 class SamplingFields(OpenAIModel):
@@ -67,18 +66,15 @@ class SamplingFields(OpenAIModel):
 
     model: StrictStr | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = (
-        1  # samples per prompt (choices prompt_index * n + i)
-    )
+    # samples per prompt (choices prompt_index * n + i)
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     temperature: Annotated[Number, Field(ge=0)] | None = None  # default 1.0
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1, le=MAX_TOP_K)] | None = (
-        None  # vLLM's extension; 0 or -1: off
-    )
+    # vLLM's extension; 0 or -1: off
+    top_k: Annotated[StrictInt, Field(ge=-1, le=MAX_TOP_K)] | None = None
     min_p: Annotated[Number, Field(ge=0, le=1)] | None = None  # vLLM's extension
-    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = (
-        None  # sample i uses seed + i
-    )
+    # sample i uses seed + i
+    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: (
@@ -87,21 +83,17 @@ class SamplingFields(OpenAIModel):
     logit_bias: (
         dict[TokenIdKey, Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None
     ) = None
-    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] = (
-        0  # vLLM's extension: no EOS before these
-    )
+    # vLLM's extension: no EOS before these
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] = 0
     stop: Text | list[Text] | None = None
-    include_stop_str_in_output: StrictBool = (
-        False  # vLLM's extension: keep the stop string in the text
-    )
+    # vLLM's extension: keep the stop string in the text
+    include_stop_str_in_output: StrictBool = False
     stop_token_ids: list[TokenId] | None = None  # vLLM's extension
     ignore_eos: StrictBool = False  # vLLM's extension: generate exactly max_tokens
-    prompt_logprobs: NumLogprobs | None = (
-        None  # vLLM's extension: per prompt token (whole responses only)
-    )
-    priority: Annotated[StrictInt, Field(ge=-INT64_MAX, le=INT64_MAX)] = (
-        0  # vLLM's: lowest served first
-    )
+    # vLLM's extension: per prompt token (whole responses only)
+    prompt_logprobs: NumLogprobs | None = None
+    # vLLM's: lowest served first
+    priority: Annotated[StrictInt, Field(ge=-INT64_MAX, le=INT64_MAX)] = 0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None  # accepted, unused
@@ -140,14 +132,12 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[Text], Field(min_length=1)]
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
-    max_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] | None = (
-        None  # 0: with echo, the prompt alone
-    )
+    # 0: with echo, the prompt alone
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] | None = None
     echo: StrictBool = False  # the text (and logprobs) start with the prompt's
     logprobs: NumLogprobs | None = None  # per token: the chosen token's plus this many top ones
-    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = (
-        None  # only null or n (see UNSUPPORTED)
-    )
+    # only null or n (see UNSUPPORTED)
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     suffix: None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -204,9 +194,8 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. Only text content; the model's chat template renders it."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = (
-        None  # the newer name
-    )
+    # the newer name
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: StrictBool | None = None  # each generated token's logprob
     top_logprobs: NumLogprobs | None = None  # and this many top alternatives (needs logprobs: true)
     tools: Annotated[list[dict], Field(max_length=0)] | None = None

@@ -32,9 +32,8 @@ from .metrics import parse_metrics
 FLOOD_EXTRA = 16  # requests past the bound in the flood
 SOAK_MAX_REQUESTS = 20_000  # the soak's bound by count (its time bound is --soak-seconds)
 ABORTED = 'vllm:request_success_total{finished_reason="abort"}'  # requests the server aborted
-GRACE_S = (
-    120.0  # after the soak's time, for the requests in flight to finish; the flood's bound too
-)
+# after the soak's time, for the requests in flight to finish; the flood's bound too
+GRACE_S = 120.0
 
 
 async def soak_phase(

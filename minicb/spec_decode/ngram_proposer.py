@@ -78,9 +78,8 @@ class NgramProposer:
             self.indexed.get(request_id, 0) + 1, n_tokens
         ):  # n-grams ending before the last token
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                index[tuple(tokens[end - n : end])] = (
-                    end  # a later occurrence replaces an earlier one
-                )
+                # a later occurrence replaces an earlier one
+                index[tuple(tokens[end - n : end])] = end
         self.indexed[request_id] = max(self.indexed.get(request_id, 0), n_tokens - 1)
         num = min(self.k, max_drafts)
         for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1) if num > 0 else ():

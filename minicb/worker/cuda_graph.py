@@ -110,19 +110,23 @@ class DecodeGraphRunner:
     def __init__(
         self, runner, max_batch_size: int | None = None, max_graph_tokens: int = MAX_GRAPH_TOKENS
     ):
-        config, kv_cache = runner.config, runner.kv_cache
+        config = runner.config
+        kv_cache = runner.kv_cache
         if config.max_blocks_per_seq is None:
             raise ValueError(
                 "CUDA-graph decode needs config.max_model_len: it bounds the block-table width"
             )
-        self.model, self.kv_cache, self.device = runner.model, kv_cache, runner.device
+        self.model = runner.model
+        self.kv_cache = kv_cache
+        self.device = runner.device
         self.emulated = self.device.type != "cuda"
         self.block_size = config.block_size
         # block-table columns: ceil(max_model_len / block_size)
         self.max_blocks = config.max_blocks_per_seq
         # decode reads pages in place (paged_flash.py)
         self.pages = runner.attention_backend == "flash_pages"
-        self.sink_block_id, self.sink_loc = kv_cache.sink_block_id, kv_cache.sink_loc
+        self.sink_block_id = kv_cache.sink_block_id
+        self.sink_loc = kv_cache.sink_loc
         self.buckets, self.widths = graph_shapes(
             min(config.max_num_seqs, max_batch_size or MAX_GRAPH_BATCH),
             self.max_blocks,
@@ -131,7 +135,8 @@ class DecodeGraphRunner:
         )
 
         # Static inputs sized for the largest bucket; a graph reads their first rows (and columns).
-        n, long = self.buckets[-1], dict(dtype=torch.long, device=self.device)
+        n = self.buckets[-1]
+        long = dict(dtype=torch.long, device=self.device)
         self.input_ids = torch.zeros(n, **long)  # (n,)
         self.positions = torch.zeros(n, **long)  # (n,)
         self.cache_locs = torch.zeros(n, **long)  # (n,)
@@ -162,7 +167,8 @@ class DecodeGraphRunner:
             query_start_loc_host=list(range(b + 1)),
             context_lens_host=[1] * b,
         )
-        input_ids, positions = self.input_ids[:b], self.positions[:b]
+        input_ids = self.input_ids[:b]
+        positions = self.positions[:b]
 
         def step():
             if self.pages:  # the (row, block) pairs, computed on the device inside the graph
@@ -185,11 +191,8 @@ class DecodeGraphRunner:
         for b in reversed(self.buckets):  # largest first: it sizes the shared pool
             for i, w in enumerate(reversed(self.widths[b])):
                 step = self._step_fn(b, w)
-                if (
-                    i == 0
-                    # warm-up outside the capture: lazy init (cuBLAS handles, workspaces) happens
-                    # here
-                ):
+                # warm-up outside the capture: lazy init (cuBLAS handles, workspaces) happens here
+                if i == 0:
                     step()
                     if not self.emulated:
                         torch.cuda.synchronize(self.device)
@@ -212,13 +215,12 @@ class DecodeGraphRunner:
     def can_run(self, out) -> bool:
         """True for a step of decode rows only (verifying rows included: one graph row per token)
         that fits a graph."""
-        rows, bs = out.scheduled, self.block_size
+        rows = out.scheduled
+        bs = self.block_size
         # table columns it reads
         width = max((cdiv(r.start + r.num_tokens, bs) for r in rows), default=0)
-        return (
-            all(not r.is_prefill and r.do_sample for r in rows)
-            and self.graph_for(sum(r.num_tokens for r in rows), width) is not None
-        )
+        is_decode_only = all(not r.is_prefill and r.do_sample for r in rows)
+        return is_decode_only and self.graph_for(sum(r.num_tokens for r in rows), width) is not None
 
     def _pad(self, start: int, stop: int) -> None:
         """Make rows start..stop-1 padding: token 0 at position 0, writing and reading only the

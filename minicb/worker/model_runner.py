@@ -102,16 +102,13 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(config.seed)
         self.graph_runner = None  # a DecodeGraphRunner when CUDA graphs are enabled
-        self.tp = (
-            None  # parallel.TensorParallel with tensor_parallel_size > 1: workers mirror every step
-        )
-        self.attention_backend = (
-            "gather"  # or "flash_pages": the engine picks (config.attention_backend)
-        )
+        # parallel.TensorParallel with tensor_parallel_size > 1: workers mirror every step
+        self.tp = None
+        # or "flash_pages": the engine picks (config.attention_backend)
+        self.attention_backend = "gather"
         self.spec_stats = SpecDecodingStats()  # drafts verified and accepted (speculative decoding)
-        self.last_graph_bucket = self.last_graph_width = (
-            None  # rows and table columns of the last graph replayed
-        )
+        # rows and table columns of the last graph replayed
+        self.last_graph_bucket = self.last_graph_width = None
 
     def prepare_inputs(self, out: SchedulerOutput):
         """(input_ids, positions, meta, logits_indices): everything the forward pass needs."""
@@ -127,18 +124,16 @@ class ModelRunner:
             self.kv_cache.sink_block_id,
             self.device,
         )
-        if (
-            self.attention_backend == "flash_pages" and h.num_decodes
-        ):  # decode reads the pages in place
+        reads_pages_in_place = self.attention_backend == "flash_pages" and h.num_decodes
+        groups_decodes_on_cpu = self.device.type == "cpu" and h.num_decodes
+        if reads_pages_in_place:  # decode reads the pages in place
             meta.pages = page_pairs(
                 meta.block_tables[: h.num_decodes],
                 meta.context_lens[: h.num_decodes],
                 self.config.block_size,
                 self.kv_cache.num_locations,
             )
-        elif (
-            self.device.type == "cpu" and h.num_decodes
-        ):  # eager CPU: decode rows grouped by length, once a step
+        elif groups_decodes_on_cpu:  # eager CPU: decode rows grouped by length, once a step
             meta.decode_groups = decode_groups(
                 h.block_tables[: h.num_decodes],
                 h.context_lens[: h.num_decodes],
@@ -159,21 +154,19 @@ class ModelRunner:
         self.kv_cache.copy_blocks(out.blocks_to_copy)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         self.last_graph_bucket = self.last_graph_width = None
-        result, rows = ModelRunnerOutput(), out.scheduled
+        result = ModelRunnerOutput()
+        rows = out.scheduled
         h = host_inputs(out, self.config.block_size) if rows else None
         if self.tp is not None:  # every worker does the same block copies and forward on its shard
             self.tp.step(out, h)
         if not rows:
             return result
-        if self.graph_runner is not None and self.graph_runner.can_run(
-            out
-        ):  # decode rows only, fits a graph
+        runs_graph = self.graph_runner is not None and self.graph_runner.can_run(out)
+        if runs_graph:  # decode rows only, fits a graph
             # (num_tokens, vocab): every token of such a step is scored
             logits = self.graph_runner.run(out, h)
-            self.last_graph_bucket, self.last_graph_width = (
-                self.graph_runner.last_bucket,
-                self.graph_runner.last_width,
-            )
+            self.last_graph_bucket = self.graph_runner.last_bucket
+            self.last_graph_width = self.graph_runner.last_width
         else:
             input_ids, positions, meta, logits_indices = self.inputs_from_host(h)
             hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (num_tokens, hidden)
@@ -203,9 +196,8 @@ class ModelRunner:
             ]
             last_logits = last_logits[torch.tensor(repeat, device=self.device)]  # (num_seqs, vocab)
         self.sample(last_logits, seqs, result)
-        if (
-            len(last) < logits.shape[0]
-        ):  # drafts to verify: which are kept, and the token after them
+        has_drafts = len(last) < logits.shape[0]
+        if has_drafts:  # drafts to verify: which are kept, and the token after them
             verify_drafts(
                 [rows[i] for i in h.sample_rows],
                 last,

@@ -93,6 +93,5 @@ class Worker:
         for quant in (
             self.kv_cache.quant if config.calculate_kv_scales else []
         ):  # after capture: not in a graph
-            quant.calibrate = (
-                True  # fp8: the first forward pass sets each layer's scales (kv_quant.py)
-            )
+            # fp8: the first forward pass sets each layer's scales (kv_quant.py)
+            quant.calibrate = True
