@@ -7,7 +7,7 @@ never reads a file or touches a device (the engine resolves model-dependent valu
 """
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 BATCHING_MODES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")  # vLLM has the first two; "sjf" is minicb's
@@ -87,6 +87,15 @@ class EngineConfig:
     # Split every layer over N processes (vLLM's name): each holds 1/N of the heads and MLP features
     # and the KV cache of its own KV heads; N must divide the model's KV heads (parallel.py)
     tensor_parallel_size: int = 1
+    # Size prefill chunks by time, not only tokens (minicb's; Sarathi-Serve's idea, see
+    # core/step_cost.py): a step that carries prefill work may take at most this many times the
+    # estimated time of its decodes alone, so one long or expensive prompt is spread over steps
+    # instead of stalling every stream. None: off (vLLM's behaviour: a token budget only); `serve`
+    # sets 2.5
+    max_decode_slowdown: float | None = None
+    # The time model it uses (config.StepCost, seconds); None with max_decode_slowdown set: the
+    # engine measures it on this machine when it starts (engine/step_cost.py)
+    step_cost: object = None
     # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": n, "prompt_lookup_min": m}. None: off (it pays where outputs copy their
     # context; spec_decode.py)
@@ -108,6 +117,17 @@ class EngineConfig:
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.of(self.speculative_config)
         )
+        object.__setattr__(self, "step_cost", StepCost.of(self.step_cost))
+        is_valid_slowdown = self.max_decode_slowdown is None or (
+            isinstance(self.max_decode_slowdown, (int, float))
+            and not isinstance(self.max_decode_slowdown, bool)
+            and self.max_decode_slowdown > 1
+        )
+        if not is_valid_slowdown:
+            raise ValueError(
+                "max_decode_slowdown must be None (off) or a number > 1 (a step may take that many "
+                f"times its decodes' time), got {self.max_decode_slowdown!r}"
+            )
 
         def positive(name, allow_none=False):
             value = getattr(self, name)
@@ -274,3 +294,46 @@ class SpeculativeConfig:
                 f"num_speculative_tokens, prompt_lookup_max and prompt_lookup_min"
             )
         return cls(**value)
+
+
+# ---------------------------------------------------------------------- step time
+@dataclass(frozen=True)
+class StepCost:
+    step_s: float  # a step that computes almost nothing: weights read once, kernels launched
+    token_s: float  # each token through the linear layers
+    context_token_s: float  # each (token, earlier position) pair its attention reads
+    logits_row_s: float  # each extra LM-head row and log-softmax (prompt log-probabilities)
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            is_valid = (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+            )
+            if not is_valid:
+                raise ValueError(f"StepCost.{name} must be a number >= 0 seconds, got {value!r}")
+
+    @classmethod
+    def of(cls, value) -> "StepCost | None":
+        """None, a StepCost, or its fields as a dict (a JSON flag)."""
+        if value is None or isinstance(value, StepCost):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        raise ValueError(f"step_cost must be a StepCost or a dict of its fields, got {value!r}")
+
+    def row_s(self, num_tokens: int, context: int, logits_rows: int = 0) -> float:
+        """Seconds a row adds to a step: `num_tokens` new tokens after `context` computed ones.
+        Token i (0-based) attends to context + i + 1 positions, itself included."""
+        attended = num_tokens * context + num_tokens * (num_tokens + 1) // 2
+        return (
+            self.token_s * num_tokens
+            + self.context_token_s * attended
+            + self.logits_row_s * logits_rows
+        )
+
+    def __repr__(self):
+        return (
+            f"StepCost(step={self.step_s * 1e3:.2f} ms, token={self.token_s * 1e3:.3f} ms, "
+            f"context_token={self.context_token_s * 1e6:.4f} us, "
+            f"logits_row={self.logits_row_s * 1e3:.3f} ms)"
+        )

@@ -8,7 +8,9 @@ decode also its drafts, with speculative decoding), within a per-step token budg
 (`max_num_batched_tokens`). schedule() says in which order; when blocks run out, the request the
 policy would serve last is preempted, by recompute (free its blocks, prefill it again later) or by
 swap (copy them to CPU). With `batching="static"` the same machinery admits a batch only when the
-previous batch has completely finished, which is what static batching costs.
+previous batch has completely finished, which is what static batching costs. With
+`max_decode_slowdown` the budget is also one of time (step_cost.py): a prefill chunk gets only the
+tokens whose estimated time keeps the step within that many times its decodes' own.
 """
 
 import bisect
@@ -19,6 +21,7 @@ from .block_manager import BlockManager
 from .limits import check_request
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
+from .step_cost import StepTimer
 
 
 class Scheduler:
@@ -42,6 +45,8 @@ class Scheduler:
         self.static_batch: set[str] = set()  # static mode: members of the batch being served
         self.step_count = 0
         self.finished: list[Request] = []  # finished or aborted since take_finished()
+        # the step being scheduled: its estimated time (None: a token budget only)
+        self.timer: StepTimer | None = None
         self.policy_key = {  # sort key: the request served first has the smallest key
             "fcfs": lambda r: r.arrival_index,
             "priority": lambda r: (
@@ -152,7 +157,18 @@ class Scheduler:
         )
         if prompt_exceeds_budget:
             return 0  # without chunked prefill a prompt runs whole (a recompute may still be split)
-        return min(remaining, budget)
+        num_new = min(remaining, budget)
+        is_decode = req.num_tokens - computed == 1 and req.num_output_tokens > 0
+        if self.timer is not None and not is_decode:
+            num_new = self.timer.chunk_that_fits(req, computed, num_new)
+        return num_new
+
+    def _row(self, req: Request, num_new: int) -> ScheduledRequest:
+        """The row feeding `req` its next `num_new` tokens, counted in the step's estimated time."""
+        row = ScheduledRequest.make(req, num_new, self.block_manager.block_tables[req.request_id])
+        if self.timer is not None:
+            self.timer.add_row(row)
+        return row
 
     def _admission(self, req: Request, budget: int) -> tuple[list[int], int, int]:
         """(prefix-cache hits, tokens they cover, tokens to compute now) for a waiting request."""
@@ -177,6 +193,9 @@ class Scheduler:
         The batch lists decode rows first, then prefill rows (the model runner relies on it)."""
         self.step_count += 1
         out = SchedulerOutput(step=self.step_count)
+        times_steps = self.config.max_decode_slowdown is not None and self.config.step_cost
+        if times_steps:
+            self.timer = StepTimer(self.config.step_cost, self.config.max_decode_slowdown)
         if self.config.scheduling_policy == "priority" and self.config.batching == "continuous":
             self._preempt_for_priority(out)
         budget = self.config.max_num_batched_tokens
@@ -216,15 +235,16 @@ class Scheduler:
             ):  # a copy-on-write counts too
                 victim = self._lowest_ranked_running()
                 taken_back = rows.pop(victim.request_id, None)
-                budget += taken_back.num_tokens if taken_back else 0
+                if taken_back is not None:
+                    budget += taken_back.num_tokens
+                if taken_back is not None and self.timer is not None:
+                    self.timer.take_back(taken_back)
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
                 bm.allocate(req, req.num_computed_tokens + num_new)
-                rows[req.request_id] = ScheduledRequest.make(
-                    req, num_new, bm.block_tables[req.request_id]
-                )
+                rows[req.request_id] = self._row(req, num_new)
                 if req.admitted_step is None:  # a static batch member given its first tokens
                     self._mark_admitted(req, out)
                 budget -= num_new
@@ -261,7 +281,7 @@ class Scheduler:
             bm.allocate(req, req.num_computed_tokens + num_new)
             self._take_slot(req)
             out.swapped_in.append(req.request_id)
-            rows.append(ScheduledRequest.make(req, num_new, bm.block_tables[req.request_id]))
+            rows.append(self._row(req, num_new))
             budget -= num_new
         return rows, budget
 
@@ -306,7 +326,7 @@ class Scheduler:
             if c.batching == "static":
                 self.static_batch.add(req.request_id)
             if num_new:  # a recomputed request whose prefix is all cached may need just a decode
-                rows.append(ScheduledRequest.make(req, num_new, bm.block_tables[req.request_id]))
+                rows.append(self._row(req, num_new))
                 self._mark_admitted(req, out)
                 budget -= num_new
         return rows, budget

@@ -27,6 +27,7 @@ from ..worker.model_runner import ModelRunnerOutput
 from ..worker.worker import Worker
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
+from .step_cost import calibrate_step_cost
 
 log = logging.getLogger("minicb.engine.llm_engine")
 
@@ -68,6 +69,11 @@ class Engine:
         self.proposer = NgramProposer(spec) if spec else None
         self._next_id = 0  # for request ids chosen by the engine
         self._num_added = 0  # arrival order (FIFO key)
+        needs_step_cost = config.max_decode_slowdown is not None and config.step_cost is None
+        if needs_step_cost:  # the scheduler's time target needs this machine's step times
+            self.config = config = config.replace(step_cost=calibrate_step_cost(self))
+            self.scheduler = Scheduler(config)
+            log.info("minicb: measured this machine's step time: %r", config.step_cost)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
