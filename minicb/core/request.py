@@ -69,6 +69,8 @@ class Request:
         self.finish_step: int | None = None
         self.metrics = RequestMetrics()
         self.generator = None  # per-request torch.Generator for seeded sampling (set by the engine)
+        # its min_tokens and logit_bias ids as tensors, built once (sample/penalties.py)
+        self.processor_tensors = None
         # Samples 1..n-1 of an n-sample request, made at arrival but kept out of the scheduler until
         # the prompt is computed; then they fork from this request (Scheduler.fork) and run as
         # requests of their own that share its prompt blocks. Empty for n == 1 and after the fork.

@@ -9,31 +9,71 @@ keep a small window of tokens: decode the window with and without the new tokens
 difference once it no longer ends in U+FFFD (the character is complete). The window then starts
 where the emitted text ended. Every delta is appended, so the concatenated stream is the text.
 
-Stop strings (SamplingParams.stop) are looked for in the text, where they can span tokens: only in
-the new text and the few characters before it that could start one. The text is cut before the
-string (or after it, with include_stop_str_in_output). While the request runs, a stream is shown
-all but the last len(longest stop string) - 1 characters (visible_text), so it never shows the
-start of a stop string that the next token completes and the cut then removes. (vLLM does the same.)
+Stop strings (SamplingParams.stop) are looked for in the text, where they can span tokens: only
+those that end in the new text (vLLM's rule), so the work of a token never grows with the text. Nor
+does it grow with the number of stop strings: they are kept in one set per length (StopStrings),
+so a token costs one set lookup per new character and distinct length, whether the request gave 4
+stop strings or 700,000. The text is cut before the string (or after it, with
+include_stop_str_in_output). While the request runs, a stream is shown all but the last
+len(longest stop string) - 1 characters (visible_text), so it never shows the start of a stop
+string that the next token completes and the cut then removes. (vLLM does the same.)
 """
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder gives for the bytes of an unfinished character
+
+
+class StopStrings:
+    """A request's stop strings, one set per length: finding those that end in new text costs a set
+    lookup per (new character, distinct length), never a search per string. Built once per request
+    and shared by its samples."""
+
+    def __init__(self, stop: tuple[str, ...] = ()):
+        self.by_length: dict[int, frozenset[str]] = {}
+        for length in sorted(set(map(len, stop))):
+            self.by_length[length] = frozenset(s for s in stop if len(s) == length)
+        self.longest = max(self.by_length, default=0)
+
+    def __bool__(self) -> bool:
+        return bool(self.by_length)
+
+    def find(self, text: str, start: int, ends_from: int) -> tuple[int, str] | None:
+        """(position, string) of the earliest stop string in `text` that starts at `start` or later
+        and whose last character is at `ends_from` or later; None if there is none. Of two that
+        start at the same place, the shorter (the other begins with it, so it is also the smaller
+        string, as min() over every string's first occurrence would pick)."""
+        found = None
+        for length, strings in self.by_length.items():
+            first = max(start, ends_from - length + 1)
+            for i in range(first, len(text) - length + 1):
+                if found is not None and i >= found[0]:
+                    break  # an earlier (or as early and shorter) one is found already
+                if text[i : i + length] in strings:
+                    found = (i, text[i : i + length])
+                    break
+        return found
 
 
 class IncrementalDetokenizer:
     def __init__(
         self,
         tokenizer,
-        stop: tuple[str, ...] = (),
+        stop: "tuple[str, ...] | StopStrings" = (),
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.stop, self.include_stop = tuple(stop), include_stop_str_in_output
+        # a request's samples share one StopStrings (OutputProcessor builds it)
+        self.stop = stop if isinstance(stop, StopStrings) else StopStrings(tuple(stop))
+        self.include_stop = include_stop_str_in_output
         # characters that may start a stop string
-        self.hold_back = max(map(len, self.stop), default=1) - 1
+        self.hold_back = max(self.stop.longest, 1) - 1
         self.stop_reason: str | None = None  # the stop string found, once found
+        # Stop strings that end before this position were looked for already. None until the first
+        # search, which also looks at the held-back tail before the new text (while min_tokens
+        # held the search back, that tail was never searched).
+        self.searched_to: int | None = None
         # no stop string is looked for until more tokens than this are out (vLLM)
         self.min_tokens = min_tokens
         self.token_ids: list[int] = []  # every output token seen so far
@@ -61,9 +101,11 @@ class IncrementalDetokenizer:
 
     def _find_stop(self, new_from: int) -> None:
         start = max(0, new_from - self.hold_back)  # a stop string may begin in the held-back tail
-        found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
-        if found:
-            i, s = min(found)  # the earliest in the text
+        ends_from = start if self.searched_to is None else self.searched_to
+        self.searched_to = len(self.text)
+        found = self.stop.find(self.text, start, ends_from)
+        if found is not None:
+            i, s = found
             self.text = self.text[: i + len(s) if self.include_stop else i]
             self.stop_reason = s
 

@@ -13,7 +13,7 @@ close with the request's last output.
 
 from ..core.request import Request
 from ..outputs import CompletionOutput, Logprob, RequestOutput
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, StopStrings
 
 
 class OutputProcessor:
@@ -28,15 +28,14 @@ class OutputProcessor:
         """Open the books on a request (samples[0]) that the scheduler accepted."""
         request_id = samples[0].request_id
         self.samples[request_id] = samples
+        # indexed once per request: its samples share the stop strings
+        stop = StopStrings(samples[0].params.stop or ()) if self.tokenizer is not None else None
         for sample in samples:
             self.owner[sample.request_id] = request_id
             if self.tokenizer is not None:
                 p = sample.params
                 self.detokenizers[sample.request_id] = IncrementalDetokenizer(
-                    self.tokenizer,
-                    p.stop or (),
-                    p.include_stop_str_in_output,
-                    min_tokens=p.min_tokens,
+                    self.tokenizer, stop, p.include_stop_str_in_output, min_tokens=p.min_tokens
                 )
 
     def sample(self, sample_id: str) -> Request | None:
