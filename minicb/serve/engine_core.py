@@ -10,7 +10,9 @@ The core only schedules and steps; it never decodes text. The API process keeps 
 tokenization, detokenization and the streams, and a mirror of every request (the same Request
 objects, grown from the core's messages), so its OutputProcessor works as it does in one process.
 Messages are pickled tuples on a multiprocessing Pipe. A core that dies is noticed: the next
-step() raises, the server fails the requests in flight and /health turns unhealthy.
+step() raises, the server fails the requests in flight and reports the engine dead (AsyncEngine's
+fatal_error). The core keeps only the newest `trace_steps` step records, as the engine in the API
+process does: a server runs for days, and a trace that keeps every step grows without bound.
 RemoteEngine offers the methods of Engine that the server's engine loop (engine_loop.py) calls, so
 the loop runs the same code whether the engine is in this process (tests, notebooks) or not.
 """
@@ -23,7 +25,7 @@ from ..core.request import Request, RequestStatus
 from ..engine.input_processor import InputProcessor
 from ..engine.output_processor import OutputProcessor
 from ..outputs import RequestOutput
-from .metrics import engine_stats
+from .metrics import server_stats
 
 # step() waits this long for the core's next message, then lets the loop read its inbox
 STEP_WAIT_S = 0.05
@@ -35,9 +37,11 @@ class RemoteEngine:
         config: EngineConfig,
         startup_timeout_s: float = 600.0,
         core_threads: int | None = None,
+        trace_steps: int | None = 1000,
     ):
         """`core_threads`: torch's intra-op threads in the core (default: torch's own, one per
-        core)."""
+        core). `trace_steps`: step records the core's trace keeps, the newest (None: all of them,
+        for a short run that draws its whole trace; 1000, AsyncEngine's default, for a server)."""
         # a fresh interpreter: no threads, locks or torch state inherited
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -45,7 +49,7 @@ class RemoteEngine:
         # workers.
         self.process = ctx.Process(
             target=run_engine_core,
-            args=(child, config, core_threads),
+            args=(child, config, core_threads, trace_steps),
             name="minicb-engine-core",
             daemon=config.tensor_parallel_size == 1,
         )
@@ -134,7 +138,8 @@ class RemoteEngine:
                 kind, payload = self._conn.recv()
             except (EOFError, OSError):
                 raise self._died() from None
-            if kind == "error":
+            if kind == "error":  # the core's loop broke and its process exits: it is dead too
+                self.dead = True
                 raise RuntimeError(f"the engine core failed: {payload}")
             if kind == "stats":  # an abort freed blocks while the core had nothing to step
                 self.stats = payload
@@ -217,11 +222,13 @@ class RemoteEngine:
 
 
 # ---------------------------------------------------------------------- the core process
-def run_engine_core(conn, config: EngineConfig, threads: int | None = None) -> None:
+def run_engine_core(
+    conn, config: EngineConfig, threads: int | None = None, trace_steps: int | None = None
+) -> None:
     """The core's main loop: take every waiting message, step while there is work, send each step's
     deltas. Blocks on the pipe when idle. Exits when the API process closes its end or says so.
     `threads` sets torch's intra-op threads in this process only (the API process needs a core
-    too)."""
+    too); `trace_steps` bounds the step records its trace keeps (RemoteEngine)."""
     import torch
 
     # imported here: the API process never loads torch's model code for it
@@ -231,6 +238,7 @@ def run_engine_core(conn, config: EngineConfig, threads: int | None = None) -> N
         if threads is not None:
             torch.set_num_threads(threads)
         engine = Engine(config)
+        engine.trace.max_steps = trace_steps
         engine.output_processor = OutputProcessor(None)  # the API process detokenizes
         conn.send(
             (
@@ -241,7 +249,7 @@ def run_engine_core(conn, config: EngineConfig, threads: int | None = None) -> N
                     "model_name": engine.model_name,
                     "vocab_size": engine.vocab_size,
                     "eos_token_ids": engine.eos_token_ids,
-                    "stats": engine_stats(engine),
+                    "stats": server_stats(engine),
                     "threads": torch.get_num_threads(),
                 },
             )
@@ -260,7 +268,7 @@ def run_engine_core(conn, config: EngineConfig, threads: int | None = None) -> N
                 if (
                     kind != "add" and not engine.has_unfinished_requests()
                 ):  # nothing to step: say what changed
-                    conn.send(("stats", engine_stats(engine)))
+                    conn.send(("stats", server_stats(engine)))
             outputs = engine.step()
             rec = (
                 engine.trace.steps[-1]
@@ -275,7 +283,7 @@ def run_engine_core(conn, config: EngineConfig, threads: int | None = None) -> N
                     (
                         _deltas(outputs),
                         _new_prompt_logprobs(outputs, sent_prompt_logprobs),
-                        engine_stats(engine),
+                        server_stats(engine),
                         rows,
                         preempted,
                     ),

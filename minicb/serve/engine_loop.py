@@ -4,9 +4,8 @@ The Engine is single-threaded on purpose (its scheduler and block manager are pl
 so exactly one thread, the *engine loop*, ever calls add_request / step / abort_request. HTTP
 handlers live in the asyncio event loop and talk to it through queues:
 
-    handler --inbox (queue.Queue, thread-safe)--> engine loop          "add these", "abort those"
-    engine loop --loop.call_soon_threadsafe--> one asyncio.Queue per HTTP request    each
-    RequestOutput
+    handler --inbox (queue.Queue, thread-safe)--> engine loop       "add these", "abort those"
+    engine loop --loop.call_soon_threadsafe--> the request's RequestStream     its RequestOutputs
 
 The engine is an Engine in this process (tests, notebooks, `serve --engine-in-process`) or, by
 default, a RemoteEngine whose core runs in its own process (engine_core.py): the loop below is the
@@ -17,11 +16,17 @@ The engine loop drains its inbox between two steps, so a request that arrives wh
 joins the batch in the very next step: continuous batching (Orca, Yu et al., OSDI 2022) as seen
 from the network. The loop also keeps the serving metrics that GET /metrics shows.
 
-Three ways the engine protects itself from its users: a bound on the requests it holds (a request
+Four ways the engine protects itself from its users: a bound on the requests it holds (a request
 arriving when max_num_seqs + max_waiting are unfinished is refused with QueueFullError, HTTP 503,
 rather than piling up without limit); aborts (a client that goes away aborts its request, which
-frees its slot and KV blocks at once); and isolation (a request whose own inputs break a step is
-stopped alone by the engine, its client gets the error, every other stream goes on).
+frees its slot and KV blocks at once); stalls (a client that stops reading its stream for
+stall_timeout_s has its requests aborted too, request_stream.py); and isolation (a request whose
+own inputs break a step is stopped alone by the engine, its client gets the error, every other
+stream goes on).
+
+What it cannot survive is said everywhere: once the core's process dies (or this loop breaks),
+`fatal_error` says why, the gauges read 0 (minicb:engine_alive too), new requests are refused, and
+`on_fatal` is called once, so that the server exits for a supervisor to restart (as vLLM's does).
 """
 
 import asyncio
@@ -31,11 +36,12 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..sampling_params import SamplingParams
 from .engine_core import RemoteEngine
-from .metrics import ServerMetrics, engine_stats, request_record
+from .metrics import ServerMetrics, request_record, server_stats, stopped_stats
+from .request_stream import RequestStream, StreamStalledError, deliver, resolve
 
 if TYPE_CHECKING:  # the engine pulls in torch; this module is imported by the CLI's --help
     from ..engine.llm_engine import Engine
@@ -44,51 +50,7 @@ log = logging.getLogger("minicb.server")
 
 
 class QueueFullError(Exception):
-    """The server already holds max_num_seqs + max_waiting unfinished requests: come back later
-    (HTTP 503)."""
-
-
-class RequestStream:
-    """What a handler holds for one accepted HTTP request: its engine requests, one per prompt (each
-    with its n samples), and one queue they all deliver into. `async for outputs in stream` yields,
-    each time something arrives, the newest RequestOutput of every request that changed (a list),
-    until all have finished. Leaving the loop early (a client disconnect cancels the handler)
-    aborts every request that has not finished."""
-
-    def __init__(self, async_engine: "AsyncEngine", stream_id: str, num_prompts: int):
-        self.id = stream_id
-        # prompt i's engine request
-        self.request_ids = [f"{stream_id}-{i}" for i in range(num_prompts)]
-        self.prompt_index = {rid: i for i, rid in enumerate(self.request_ids)}
-        self.queue: asyncio.Queue = asyncio.Queue()  # RequestOutput, or an Exception from the loop
-        self.unfinished = set(self.request_ids)
-        self._async_engine = async_engine
-        # handed to the engine loop (parsed and tokenized already)
-        self.received_at = time.perf_counter()
-
-    async def __aiter__(self):
-        try:
-            while self.unfinished:
-                items = [await self.queue.get()]
-                while not self.queue.empty():  # a whole step arrives at once: take it all
-                    items.append(self.queue.get_nowait())
-                newest = {}
-                for item in items:
-                    if isinstance(item, Exception):
-                        raise item
-                    # outputs are cumulative: the newest holds the older
-                    newest[item.request_id] = item
-                    if item.finished:
-                        self.unfinished.discard(item.request_id)
-                yield list(newest.values())
-        finally:
-            self.abort()  # cancelled or abandoned half-way: free the engine's resources
-
-    def abort(self) -> None:
-        """Abort every request that has not finished (safe to call more than once)."""
-        if self.unfinished:
-            self._async_engine.abort(sorted(self.unfinished))
-            self.unfinished.clear()
+    """The server holds max_num_seqs + max_waiting unfinished requests: come back later (503)."""
 
 
 class AsyncEngine:
@@ -99,13 +61,25 @@ class AsyncEngine:
         trace_steps: int = 1000,
         request_log: str | None = None,
         served_model_name: str | None = None,
+        stall_timeout_s: float = 60.0,
+        on_fatal: Callable[[str], None] | None = None,
     ):
+        """`stall_timeout_s`: a stream whose outputs wait this long for a client that takes none is
+        aborted (60 s: far above a reading client's pauses, short against a long request's life).
+        `on_fatal(message)`: called once, on the engine loop's thread, when fatal_error is set."""
         if not isinstance(max_waiting, int) or max_waiting < 1:
             raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
+        if not isinstance(stall_timeout_s, (int, float)) or not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be a number > 0, got {stall_timeout_s!r}")
         self.engine = engine
         self.max_waiting = max_waiting
-        if not isinstance(engine, RemoteEngine):  # the core process keeps its own trace
-            # a server runs for days: keep only the newest steps
+        self.stall_timeout_s = stall_timeout_s
+        # None while the engine can serve; why it cannot, once its core died or this loop broke
+        self.fatal_error: str | None = None
+        self._on_fatal = on_fatal
+        # A server runs for days: keep only the newest steps. A core process keeps its own trace,
+        # bounded by RemoteEngine(trace_steps=...).
+        if not isinstance(engine, RemoteEngine):
             engine.trace.max_steps = trace_steps
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # touched by the engine loop only
@@ -137,7 +111,8 @@ class AsyncEngine:
     def is_running(self) -> bool:
         """The engine loop runs, and so does the engine core if it has a process of its own."""
         alive = self.engine.is_alive() if isinstance(self.engine, RemoteEngine) else True
-        return self._thread is not None and self._thread.is_alive() and alive
+        loop_runs = self._thread is not None and self._thread.is_alive()
+        return self.fatal_error is None and loop_runs and alive
 
     # ------------------------------------------------------------------ called from the event loop
     async def submit(
@@ -148,10 +123,9 @@ class AsyncEngine:
         QueueFullError; in both cases nothing was queued."""
         if not self.is_running:
             dead_core = isinstance(self.engine, RemoteEngine) and not self.engine.is_alive()
-            raise RuntimeError(
-                "the engine core process died" if dead_core else "the engine loop is not running"
-            )
-        stream = RequestStream(self, str(next(self._ids)), len(prompts))
+            why = "the engine core process died" if dead_core else "the engine loop is not running"
+            raise RuntimeError(self.fatal_error or why)
+        stream = RequestStream(str(next(self._ids)), len(prompts), self.abort)
         accepted = self._loop.create_future()
         self._inbox.put(("add", stream, prompts, params, priority, accepted))
         try:
@@ -162,21 +136,36 @@ class AsyncEngine:
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
-        """Thread-safe: ask the engine loop to abort requests (a no-op for those already
-        finished)."""
+        """Thread-safe: ask the engine loop to abort requests (a no-op for finished ones)."""
         self._inbox.put(("abort", request_ids))
 
-    # ------------------------------------------------------------------ the engine loop (its own
-    # thread)
+    # ------------------------------------------------------ the engine loop (in its own thread)
     def _run(self) -> None:
-        while True:
-            idle = not self.engine.has_unfinished_requests()
-            if not self._drain_inbox(block=idle):
-                break
-            if self.engine.has_unfinished_requests():
-                self._step()
-        for rid in list(self._streams):  # shutting down: nobody will finish these
-            self._abort(rid)
+        try:
+            while True:
+                # after a fatal error: wait on the inbox (refusing what comes), never spin
+                can_step = self.fatal_error is None and self.engine.has_unfinished_requests()
+                if not self._drain_inbox(block=not can_step):
+                    break
+                if self.fatal_error is None and self.engine.has_unfinished_requests():
+                    self._step()
+            for rid in list(self._streams):  # shutting down: nobody will finish these
+                self._abort(rid)
+        except Exception as e:  # a bug in the loop itself: nobody would answer any more
+            log.exception("the engine loop stopped")
+            why = f"the engine loop stopped: {type(e).__name__}: {e}"
+            self._fail_streams(RuntimeError(why))
+            self._fatal(why)
+
+    def _fatal(self, message: str) -> None:
+        """The engine can serve no more: say so everywhere, once (on the engine loop's thread)."""
+        if self.fatal_error is not None:
+            return
+        self.fatal_error = message
+        log.error("%s: the server cannot serve any more requests", message)
+        self.metrics.publish_gauges(self._gauges())  # stopped_stats from now on
+        if self._on_fatal is not None:
+            self._on_fatal(message)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Handle every waiting command (when idle, wait a little for the first). False: stop."""
@@ -215,7 +204,9 @@ class AsyncEngine:
             not all(s.is_finished for s in group)  # every unfinished request, running or not
             for group in self.engine.output_processor.samples.values()
         )
-        if held + len(prompts) > self.capacity:
+        if self.fatal_error is not None:  # it came in as the engine died: nothing can run it now
+            error = RuntimeError(self.fatal_error)
+        elif held + len(prompts) > self.capacity:
             more = f" and this request has {len(prompts)} prompts" if len(prompts) > 1 else ""
             error = QueueFullError(
                 f"server full: it holds {held} unfinished requests{more} (max_num_seqs="
@@ -230,9 +221,7 @@ class AsyncEngine:
                         prompt_token_ids, params, priority, request_id=request_id
                     )
                     added.append(request_id)
-            except (
-                Exception
-            ) as e:  # all or nothing: no step ran since the first was added, undo them
+            except Exception as e:  # all or nothing: no step ran since the first was added
                 for request_id in added:
                     self.engine.abort_request(request_id)
                 where = f"prompt {len(added)}: " if len(prompts) > 1 else ""
@@ -247,7 +236,7 @@ class AsyncEngine:
                 self._streams.update(dict.fromkeys(stream.request_ids, stream))
         # first, so that /metrics already counts a request its client sees accepted
         self.metrics.publish_gauges(self._gauges())
-        self._loop.call_soon_threadsafe(_resolve, accepted, error)
+        self._loop.call_soon_threadsafe(resolve, accepted, error)
 
     def _abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)  # None if it finished in the meantime
@@ -255,7 +244,7 @@ class AsyncEngine:
         if out is not None:
             self.metrics.record_finished([out])
             if stream is not None:
-                self._loop.call_soon_threadsafe(_deliver, [(stream.queue, out)])
+                self._loop.call_soon_threadsafe(deliver, [(stream, out)])
         self.metrics.publish_gauges(self._gauges())
 
     def _step(self) -> None:
@@ -267,7 +256,10 @@ class AsyncEngine:
             log.exception(
                 "engine step failed; aborting the %d requests in flight", len(self._streams)
             )
-            self._fail_all(e)
+            why = f"the engine failed while running this request: {type(e).__name__}: {e}"
+            self._fail_streams(RuntimeError(why))
+            if isinstance(self.engine, RemoteEngine) and self.engine.dead:  # its core is gone
+                self._fatal(str(e))
             return
         # Requests stopped for an error get it delivered; aborted ones were delivered by _abort.
         failed = [o for o in outputs if o.error is not None]
@@ -275,9 +267,8 @@ class AsyncEngine:
             o for o in outputs if o.error is None and any(s.new_token_ids for s in o.outputs)
         ]
         rows, num_preempted = self._step_info(outputs)
-        if (
-            not isinstance(self.engine, RemoteEngine) or self.engine.stepped
-        ):  # not a wait that saw no step
+        is_a_step = not isinstance(self.engine, RemoteEngine) or self.engine.stepped
+        if is_a_step:  # not a wait for the core that saw no step
             self.metrics.record_step(
                 rows, sum(len(s.new_token_ids) for o in outputs for s in o.outputs), num_preempted
             )
@@ -286,37 +277,49 @@ class AsyncEngine:
         for out in failed:
             stream = self._streams.pop(out.request_id, None)
             if stream is not None:
-                deliveries.append(
-                    (
-                        stream.queue,
-                        RuntimeError(
-                            f"this request failed in the engine and was stopped: {out.error}"
-                        ),
-                    )
-                )
+                why = f"this request failed in the engine and was stopped: {out.error}"
+                deliveries.append((stream, RuntimeError(why)))
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                deliveries.append((stream.queue, out))
+                deliveries.append((stream, out))
                 if out.finished:
                     del self._streams[out.request_id]
                     if self.request_log is not None:  # the server's view of it (--request-log)
                         self.request_log.write(
                             json.dumps(request_record(out, stream.id, stream.received_at)) + "\n"
                         )
+        deliveries = self._stop_stalled(deliveries)
         # first, so that a client reading /metrics after its last token sees it freed
         self.metrics.publish_gauges(self._gauges())
         if deliveries:
-            self._loop.call_soon_threadsafe(_deliver, deliveries)
+            self._loop.call_soon_threadsafe(deliver, deliveries)
 
-    def _fail_all(self, error: Exception) -> None:
-        failure = RuntimeError(
-            f"the engine failed while running this request: {type(error).__name__}: {error}"
-        )
+    def _stop_stalled(self, deliveries: list[tuple[RequestStream, object]]) -> list[tuple]:
+        """Abort the requests of every stream whose outputs have waited stall_timeout_s for a
+        client that takes none (it stopped reading), freeing their slots and KV blocks for others;
+        such a stream gets an error, which goes before its outputs. Returns the deliveries."""
+        now = time.perf_counter()
+        for stream in dict.fromkeys(stream for stream, _ in deliveries):
+            held = [rid for rid in stream.request_ids if self._streams.get(rid) is stream]
+            if held and stream.stalled(now, self.stall_timeout_s):
+                log.warning(
+                    "stream %s took no output in %g s: aborted", stream.id, self.stall_timeout_s
+                )
+                for request_id in held:
+                    self._abort(request_id)
+                why = (
+                    f"the client took no output for {self.stall_timeout_s:g} s while outputs waited"
+                )
+                deliveries.append((stream, StreamStalledError(f"{why}: aborted (stall_timeout_s)")))
+        return deliveries
+
+    def _fail_streams(self, failure: Exception) -> None:
+        """Give every stream in flight `failure` and abort every request the engine holds."""
         for rid, stream in list(self._streams.items()):
             self.engine.abort_request(rid)
             self.metrics.count_error()
-            self._loop.call_soon_threadsafe(_deliver, [(stream.queue, failure)])
+            self._loop.call_soon_threadsafe(deliver, [(stream, failure)])
         self._streams.clear()
         for req in list(self.engine.output_processor.samples):  # anything left without a listener
             self.engine.abort_request(req)
@@ -327,21 +330,16 @@ class AsyncEngine:
         core."""
         if isinstance(self.engine, RemoteEngine):
             return self.engine.last_step_rows, self.engine.last_step_preempted
-        rec = (
-            self.engine.trace.steps[-1]
-            if self.engine.config.record_trace and self.engine.trace.steps
-            else None
-        )
-        return (
-            (len(rec.rows), len(rec.preempted) + len(rec.swapped_out)) if rec else (len(outputs), 0)
-        )
+        if not (self.engine.config.record_trace and self.engine.trace.steps):
+            return len(outputs), 0
+        rec = self.engine.trace.steps[-1]
+        return len(rec.rows), len(rec.preempted) + len(rec.swapped_out)
 
     def _gauges(self) -> dict:
-        return (
-            self.engine.stats
-            if isinstance(self.engine, RemoteEngine)
-            else engine_stats(self.engine)
-        )
+        remote = isinstance(self.engine, RemoteEngine)
+        stats = self.engine.stats if remote else server_stats(self.engine)
+        # once dead, the last state it saw is not the state it is in
+        return stats if self.fatal_error is None else stopped_stats(stats)
 
     def metrics_text(self) -> str:
         return self.metrics.text()
@@ -352,21 +350,6 @@ class AsyncEngine:
             f"AsyncEngine(running={g['num_requests_running']}, waiting={g['num_requests_waiting']}"
             f"/{self.max_waiting}, swapped={g['num_requests_swapped']}, kv_blocks_used="
             f"{g['kv_blocks_used']}/{g['kv_blocks_total']}, steps={self.metrics.num_steps}, "
-            f"loop={'running' if self.is_running else 'stopped'})"
+            f"loop={'running' if self.is_running else 'stopped'}"
+            f"{f', fatal_error={self.fatal_error!r}' if self.fatal_error else ''})"
         )
-
-
-# These run in the event loop (scheduled with call_soon_threadsafe): asyncio objects are not thread-
-# safe.
-def _resolve(future: asyncio.Future, error: Exception | None) -> None:
-    if future.cancelled():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-
-
-def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)

@@ -37,6 +37,13 @@ Per finished request (record_finished: one observation per request, with its fir
                                  decode time / (tokens - 1): minicb's TPOT (minicb/metrics.py)
   vllm:inter_token_latency_seconds   every gap between two consecutive tokens (ITL); its tail shows
                                  the stalls that a request's mean hides
+The engine's life (publish_gauges; stopped_stats once the engine is gone):
+  minicb:engine_alive            1 while the engine can serve; 0 once its core process died or the
+                                 engine loop stopped: the other gauges then read 0, not the last
+                                 state. vLLM has no such gauge (its API server exits when its engine
+                                 core dies, EngineDeadError); a scraper of minicb alerts on it.
+  minicb:trace_records           step records the engine keeps for its trace (--trace-steps bounds
+                                 them, in the engine core's process too)
 Speculative decoding (publish_gauges, from the engine's totals; 0 when it is off):
   vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens,
   vllm:spec_decode_num_accepted_tokens
@@ -193,6 +200,22 @@ def engine_stats(engine) -> dict[str, int]:
     return scheduler_stats(engine.scheduler, engine.runner.spec_stats)
 
 
+def server_stats(engine) -> dict[str, int]:
+    """What a server's gauges show of a minicb Engine: engine_stats, and the number of step records
+    its trace keeps (in the API process, or in the engine core's, which sends them)."""
+    return {**engine_stats(engine), "num_trace_records": len(engine.trace.steps)}
+
+
+def stopped_stats(stats: dict[str, int]) -> dict[str, int]:
+    """What the gauges say once the engine is gone (its core process died): nothing runs, waits or
+    holds a KV block, and no block is free, for the cache went with it. Its shape stays, and
+    engine_alive turns 0, so a dashboard reads "dead", not the last state it saw."""
+    gone = dict.fromkeys(
+        ("num_requests_running", "num_requests_waiting", "num_requests_swapped"), 0
+    )
+    return {**stats, **gone, "kv_blocks_used": 0, "kv_blocks_free": 0, "engine_alive": 0}
+
+
 def request_record(out, stream_id: str, received_at: float) -> dict:
     """One finished request as the server saw it (serve --request-log): times in seconds of
     time.perf_counter, TTFT from `received_at` (when the engine loop was handed it) and from the
@@ -270,6 +293,11 @@ class ServerMetrics:
         )
         self.swapped = gauge(
             "minicb:num_requests_swapped", "Preempted requests whose KV blocks are in CPU memory."
+        )
+        self.alive = gauge("minicb:engine_alive", "1 while the engine can serve, 0 once it died.")
+        self.alive.set(1)
+        self.trace_records = gauge(
+            "minicb:trace_records", "Step records kept for the engine's trace (--trace-steps)."
         )
         self.blocks = {
             k: gauge(f"minicb:{k}", f"KV blocks {k.removeprefix('kv_blocks_')}.")
@@ -359,6 +387,8 @@ class ServerMetrics:
             self.running.set(stats["num_requests_running"])
             self.waiting.set(stats["num_requests_waiting"])
             self.swapped.set(stats["num_requests_swapped"])
+            self.alive.set(stats.get("engine_alive", 1))
+            self.trace_records.set(stats.get("num_trace_records", 0))
             for key, g in self.blocks.items():
                 g.set(stats[key])
             total = stats["kv_blocks_total"]
