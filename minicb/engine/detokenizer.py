@@ -19,6 +19,8 @@ len(longest stop string) - 1 characters (visible_text), so it never shows the st
 string that the next token completes and the cut then removes. (vLLM does the same.)
 """
 
+import itertools
+
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder gives for the bytes of an unfinished character
 
 
@@ -28,9 +30,9 @@ class StopStrings:
     and shared by its samples."""
 
     def __init__(self, stop: tuple[str, ...] = ()):
-        self.by_length: dict[int, frozenset[str]] = {}
-        for length in sorted(set(map(len, stop))):
-            self.by_length[length] = frozenset(s for s in stop if len(s) == length)
+        # length -> the stop strings of that length, shortest first (a sort and one pass)
+        by_length = itertools.groupby(sorted(stop, key=len), key=len)
+        self.by_length = {length: frozenset(strings) for length, strings in by_length}
         self.longest = max(self.by_length, default=0)
 
     def __bool__(self) -> bool:
