@@ -15,7 +15,7 @@ the same models in vllm/entrypoints/openai/protocol.py.)
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from ..sampling_params import (
     MAX_LOGIT_BIAS,
@@ -35,7 +35,8 @@ Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[StrictStr, Field(min_length=1)]
-# top alternatives per token (vLLM's max_logprobs)
+# top alternatives per token: the most the engine returns; a server may take fewer (--max-logprobs,
+# limits.py, checked when a request comes)
 NumLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 # OpenAI's range for presence and frequency penalties
 Penalty = Annotated[Number, Field(ge=-2, le=2)]
@@ -132,7 +133,7 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[Text], Field(min_length=1)]
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
-    # 0: with echo, the prompt alone
+    # 0: the prompt alone, no new tokens (with echo, its text and logprobs)
     max_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] | None = None
     echo: StrictBool = False  # the text (and logprobs) start with the prompt's
     logprobs: NumLogprobs | None = None  # per token: the chosen token's plus this many top ones
@@ -146,8 +147,9 @@ class CompletionRequest(SamplingFields):
 
     @property
     def prompt_only(self) -> bool:
-        """max_tokens 0 with echo: the engine samples one token (it needs one), the reply drops
-        it."""
+        """max_tokens 0: no new text, the prompt alone (with echo, its text and logprobs; without,
+        an empty completion, and its prompt_logprobs if asked). The engine samples one token (it
+        needs one), the reply drops it."""
         return self.max_tokens == 0
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -157,10 +159,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError(
                 f"best_of is not supported by minicb (only {UNSUPPORTED['best_of']}), got "
                 f"{self.best_of}"
-            )
-        if self.max_tokens == 0 and not self.echo:
-            raise ValueError(
-                "max_tokens must be at least 1 (0 is allowed only with echo: the prompt alone)"
             )
         if self.max_tokens == 0 and self.min_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens (0), got {self.min_tokens}")
@@ -190,6 +188,12 @@ class ChatMessage(OpenAIModel):
         )
 
 
+class ResponseFormat(OpenAIModel):
+    """OpenAI's response_format; minicb writes text only (no JSON mode, no schema)."""
+
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. Only text content; the model's chat template renders it."""
 
@@ -199,14 +203,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool | None = None  # each generated token's logprob
     top_logprobs: NumLogprobs | None = None  # and this many top alternatives (needs logprobs: true)
     tools: Annotated[list[dict], Field(max_length=0)] | None = None
-    response_format: dict | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v not in (None, {"type": "text"}):
-            raise ValueError('only {"type": "text"} is supported by minicb')
-        return v
+    response_format: ResponseFormat | None = None
 
     @property
     def num_top_logprobs(self) -> int | None:
