@@ -228,7 +228,7 @@ BAD_COMPLETIONS = [  # (body, status, words in the message, param)
         {"prompt": [[3], [3] * (MAX_LEN + 5)]},
         400,
         "prompt 1: prompt has 2053 tokens",
-        None,
+        "prompt",
     ),  # all or nothing
     ({"prompt": "some text"}, 400, "has no tokenizer", "prompt"),
     ({"prompt": [3, 500]}, 400, "token ids must be integers in [0, 128)", "prompt"),
@@ -251,8 +251,8 @@ BAD_COMPLETIONS = [  # (body, status, words in the message, param)
         "min_tokens",
     ),
     ({"prompt": [3], "max_tokens": -5}, 400, "greater than or equal to 0", "max_tokens"),
-    ({"prompt": [3], "max_tokens": 10**6}, 400, "exceeds max_model_len 2048", None),
-    ({"prompt": [3] * (MAX_LEN + 5)}, 400, "exceeds max_model_len 2048", None),
+    ({"prompt": [3], "max_tokens": 10**6}, 400, "exceeds max_model_len 2048", "max_tokens"),
+    ({"prompt": [3] * (MAX_LEN + 5)}, 400, "exceeds max_model_len 2048", "prompt"),
     (
         {"prompt": [3], "temperature": -0.5},
         400,
@@ -281,7 +281,7 @@ BAD_COMPLETIONS = [  # (body, status, words in the message, param)
     ({"prompt": [3], "top_k": 2.5}, 400, "'top_k': Input should be a valid integer", "top_k"),
     ({"prompt": [3], "seed": "x"}, 400, "'seed': Input should be a valid integer", "seed"),
     ({"prompt": [3], "stream": "yes"}, 400, "'stream': Input should be a valid boolean", "stream"),
-    ({"prompt": [3], "n": 9}, 400, "n=9 samples need 9 slots, but max_num_seqs is 8", None),
+    ({"prompt": [3], "n": 9}, 400, "n=9 samples x 1 prompt = 9 slots, but one request", "n"),
     ({"prompt": [3], "n": 129}, 400, "'n': Input should be less than or equal to 128", "n"),
     (
         {"prompt": [3], "presence_penalty": 2.5},

@@ -12,19 +12,35 @@ One HTTP request is one engine request per prompt (/v1/completions takes several
 samples; responses.py turns their outputs into OpenAI's choices, logprobs and usage.
 
 Bad input is stopped at the edge, before it reaches the engine, because the engine's steps are
-shared: one request that broke a step would fail every stream in flight. In order:
-  1. a body over --max-request-bytes gets 413 before it is read whole (BodySizeLimit);
-  2. JSON is parsed here: nesting deeper than MAX_JSON_DEPTH or a string that is not valid Unicode
-     (a lone surrogate such as "\ud800") gets 400;
-  3. the pydantic models check every field's type and range, and sampling_params() what holds
+shared: one request that broke a step would fail every stream in flight. And no one request may
+take the service from everyone else, so every check that can refuse a request runs before any
+work whose cost grows with the input (limits.py has the bounds and their defaults). In order:
+  1. a connection beyond --limit-concurrency gets 503 as it opens, one that sends no whole request
+     head within --timeout-request-head seconds is closed (limits.BoundedH11Protocol);
+  2. a body over --max-request-bytes gets 413 before it is read whole, and a body framed by both
+     Content-Length and Transfer-Encoding gets 400; both close the connection (BodySizeLimit);
+  3. JSON is parsed (in a worker thread when the body is over 64 KiB), and before anything walks
+     it, the lengths of its top-level lists and texts are checked: a token-id prompt longer than
+     max_model_len, more prompts than one request may hold, more stop strings, stop_token_ids or
+     logit_bias entries than the server takes, a text longer than max_model_len tokens could
+     spell (RequestBounds.check_sizes); then more than MAX_JSON_DEPTH nested containers, or a
+     string that is not valid Unicode (a lone surrogate such as "\\ud800"), gets 400;
+  4. the pydantic models check every field's type and range, and sampling_params() what holds
      across fields (400 naming the field, never 422);
-  4. tokenization and chat templating run in a worker thread, so a huge prompt costs its own
-     sender and nobody else: the event loop keeps serving other clients meanwhile;
-  5. the engine refuses what only it can judge (prompt + max_tokens > max_model_len, n >
-     max_num_seqs): 400, and a request's prompts are admitted all or none.
+  5. what the request asks: logprobs against --max-logprobs, n x prompts against
+     --max-seats-per-request, n x prompts x max_tokens against --max-tokens-per-request;
+  6. tokenization and chat templating run in a worker thread, so a long prompt costs its own
+     sender and nobody else; each prompt's length is checked against max_model_len as soon as it
+     is tokenized (core/limits.py), before an echo detokenizes it;
+  7. the engine refuses what only it can judge (the KV cache, the server full: 503), and a
+     request's prompts are admitted all or none.
 A request that still fails inside a step is stopped alone (engine.py, Engine._fail) and its
-client gets an error; everyone else keeps streaming. A full server answers 503 with Retry-After.
-Every error body has OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+client gets an error; everyone else keeps streaming. A client that hangs up aborts its requests
+at once, and one that stops reading its stream for --stream-stall-timeout seconds aborts them
+too. A whole response is built and encoded in a worker thread (echo and logprobs can make it
+megabytes). A full server answers 503 with Retry-After; a dead engine answers 503 on /health
+(saying what died) and /v1/models. Every error body has OpenAI's shape:
+{"error": {"message", "type", "param", "code"}}.
 """
 
 import asyncio
@@ -37,9 +53,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from ..core.limits import check_request
 from ..engine.llm import chat_token_ids
 from ..sampling_params import SamplingParams
+from .engine_core import RemoteEngine
 from .engine_loop import AsyncEngine, QueueFullError, RequestStream
+from .limits import RequestBounds, RequestLimits, max_chars_per_token
 from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -88,7 +107,7 @@ STREAM = {
 
 
 def room_for_reply(engine, num_prompt_tokens: int) -> int:
-    """Default max_tokens of a chat reply: whatever max_model_len and the KV cache leave."""
+    """Whatever max_model_len and the KV cache leave a chat reply."""
     c = engine.config
     room = min(
         c.max_model_len - num_prompt_tokens, c.num_blocks * c.block_size - num_prompt_tokens + 1
@@ -124,14 +143,93 @@ async def last_outputs(stream: RequestStream) -> dict:
     return last
 
 
+async def until_disconnect(request: Request, stream: RequestStream):
+    """The stream's outputs until it ends or its client leaves. A client that hangs up aborts its
+    requests at once, even while they produce nothing (waiting for a slot, in a long prefill): the
+    disconnect is raced against the next output, not noticed at the next write. (One that stops
+    reading is the engine loop's to notice: RequestStream.stalled.)"""
+    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    gone.add_done_callback(lambda _: stream.abort())  # even while a write is blocked
+    outputs = aiter(stream)
+    try:
+        while not gone.done():
+            step = asyncio.ensure_future(anext(outputs))
+            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():  # the client left first
+                step.cancel()
+                return
+            try:
+                out = step.result()
+            except StopAsyncIteration:
+                return
+            yield out
+    finally:
+        gone.cancel()
+        stream.abort()
+
+
+def tokenize_prompts(engine, prompts: list, params: SamplingParams, priority: int, echo: bool):
+    """Each prompt's Prompt, its length checked as soon as it is tokenized: a prompt too long for
+    max_model_len costs its tokenizing only, never the echo's detokenization."""
+    all_ids = []
+    for i, prompt in enumerate(prompts):
+        where = f"prompt {i}: " if len(prompts) > 1 else ""
+        try:
+            ids = engine.tokenize(prompt)
+        except ValueError as e:
+            raise APIError(400, where + str(e), "prompt") from None
+        try:  # the engine's own check (it runs again when the request is added)
+            check_request(engine.config, len(ids), params.max_tokens, priority, params.n)
+        except ValueError as e:
+            raise APIError(400, where + str(e)) from None
+        all_ids.append(ids)
+    if not echo:
+        return [Prompt(ids) for ids in all_ids]
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    return [echoed_prompt(engine.tokenizer, t, ids) for t, ids in zip(texts, all_ids)]
+
+
+def tokenize_chat(engine, body: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    tokenizer = engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(
+            400,
+            f"model {engine.model_name!r} has no chat template: use /v1/completions",
+            "messages",
+        )
+    try:
+        return chat_token_ids(tokenizer, messages)
+    # templates may refuse some conversations (e.g. roles that do not alternate)
+    except Exception as e:
+        raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
+
+
+def whole_response(head: dict, choices: Choices, outputs: dict) -> JSONResponse:
+    """A response that is not streamed, validated against its model and encoded: run in a worker
+    thread, since echo and logprobs over many prompts make it megabytes."""
+    response = {**head, "choices": choices.whole(outputs), "usage": choices.usage()}
+    model = ChatCompletionResponse if choices.chat else CompletionResponse
+    if choices.chat and choices.prompt_logprobs:  # vLLM puts a chat's beside its choices
+        response["prompt_logprobs"] = vllm_prompt_logprobs(outputs[0].prompt_logprobs)
+    return JSONResponse(model.model_validate(response).model_dump(mode="json"))
+
+
 # ---------------------------------------------------------------------- the app
 def build_app(
     async_engine: AsyncEngine,
     served_model_name: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     engine = async_engine.engine
     model_name = served_model_name or engine.model_name
+    bounds = RequestBounds(
+        limits or RequestLimits(),
+        engine.config,
+        async_engine.capacity,
+        max_chars_per_token(engine.tokenizer),
+    )
 
     async def lifespan(app):
         async_engine.start(asyncio.get_running_loop())
@@ -146,11 +244,11 @@ def build_app(
         strict_content_type=False,
     )
     app.router.route_class = CheckedJSONRoute
+    app.state.check_sizes = bounds.check_sizes  # CheckedJSONRequest runs it on the parsed JSON
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
-    @app.exception_handler(
-        HTTPException
-    )  # APIError, unknown route, wrong method, 413: one error body
+    # APIError, unknown route, wrong method, 413: one error body
+    @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
         if isinstance(e, APIError):
             return e.response()
@@ -169,10 +267,20 @@ def build_app(
             500, f"internal error: {type(e).__name__}: {e}", kind="server_error"
         ).response()
 
+    def check_engine() -> None:
+        """503 naming what died: the engine core (with its exit code) or the engine loop."""
+        failure = async_engine.fatal_error
+        core = engine.process if isinstance(engine, RemoteEngine) else None
+        if failure is None and core is not None and not core.is_alive():  # died while idle
+            failure = f"the engine core process died (exit code {core.exitcode})"
+        if failure is None and not async_engine.is_running:
+            failure = "the engine loop is not running"
+        if failure is not None:
+            raise APIError(503, failure, kind="server_error")
+
     @app.get("/health", responses={503: ERRORS[503]})
     async def health() -> dict[str, str]:
-        if not async_engine.is_running:
-            raise APIError(503, "the engine loop is not running", kind="server_error")
+        check_engine()
         return {"status": "ok"}
 
     @app.get(
@@ -190,8 +298,9 @@ def build_app(
             async_engine.metrics_text(), media_type="text/plain; version=0.0.4"
         )
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses={503: ERRORS[503]})
     async def models():
+        check_engine()  # a model that cannot answer is not served
         return {
             "object": "list",
             "data": [{"id": model_name, "max_model_len": engine.config.max_model_len}],
@@ -206,37 +315,6 @@ def build_app(
                 kind="not_found_error",
             )
 
-    def tokenize_prompts(prompts: list, echo: bool) -> list[Prompt]:
-        tokenized = []
-        for i, prompt in enumerate(prompts):
-            try:
-                ids = engine.tokenize(prompt)
-            except ValueError as e:
-                raise APIError(
-                    400, (f"prompt {i}: " if len(prompts) > 1 else "") + str(e), "prompt"
-                ) from None
-            text = prompt if isinstance(prompt, str) else None
-            tokenized.append(echoed_prompt(engine.tokenizer, text, ids) if echo else Prompt(ids))
-        return tokenized
-
-    def tokenize_chat(body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        tokenizer = engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(
-                400,
-                f"model {engine.model_name!r} has no chat template: use /v1/completions",
-                "messages",
-            )
-        try:
-            return chat_token_ids(tokenizer, messages)
-        except (
-            Exception
-        ) as e:  # templates may refuse some conversations (e.g. roles that do not alternate)
-            raise APIError(
-                400, f"the chat template refused these messages: {e}", "messages"
-            ) from None
-
     @app.post(
         "/v1/completions",
         response_model=CompletionResponse,
@@ -246,15 +324,12 @@ def build_app(
         check_model(body)
         params = to_sampling_params(body, 16)
         prompts = body.prompts()
-        if len(prompts) > async_engine.capacity:  # it could never be admitted whole
-            raise APIError(
-                400,
-                f"{len(prompts)} prompts in one request, but this server holds at most "
-                f"{async_engine.capacity} requests (max_num_seqs + max_waiting)",
-                "prompt",
-            )
-        # off the event loop
-        tokenized = await run_in_threadpool(tokenize_prompts, prompts, body.echo)
+        bounds.check_logprobs(logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
+        bounds.check_seats(body.n, len(prompts))
+        bounds.check_tokens(body.n, len(prompts), params.max_tokens)
+        tokenized = await run_in_threadpool(
+            tokenize_prompts, engine, prompts, params, body.priority, body.echo
+        )
         choices = Choices(
             tokenized,
             engine.tokenizer,
@@ -275,8 +350,15 @@ def build_app(
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
-        prompt_ids = await run_in_threadpool(tokenize_chat, body)  # off the event loop
-        params = to_sampling_params(body, room_for_reply(engine, len(prompt_ids)))
+        bounds.check_logprobs(top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
+        bounds.check_seats(body.n, 1)
+        # Every field is checked before the template runs, with the longest reply the request can
+        # get; the default reply fills the room the prompt leaves, so params are made again after.
+        longest = bounds.default_max_tokens(body.n, engine.config.max_model_len - 1)
+        bounds.check_tokens(body.n, 1, to_sampling_params(body, longest).max_tokens)
+        prompt_ids = await run_in_threadpool(tokenize_chat, engine, body)
+        room = room_for_reply(engine, len(prompt_ids))
+        params = to_sampling_params(body, bounds.default_max_tokens(body.n, room))
         choices = Choices(
             [Prompt(prompt_ids)],
             engine.tokenizer,
@@ -295,9 +377,8 @@ def build_app(
             stream = await async_engine.submit(
                 [p.token_ids for p in choices.prompts], params, body.priority
             )
-        except (
-            ValueError
-        ) as e:  # too long for max_model_len or the KV cache; a priority without the policy
+        # too long for the KV cache; a priority without the policy
+        except ValueError as e:
             raise APIError(400, str(e)) from None
         except QueueFullError as e:
             raise APIError(503, str(e), kind="overloaded") from None
@@ -318,7 +399,7 @@ def build_app(
         if body.stream:
             usage = body.stream_options or StreamOptions()
             return StreamingResponse(
-                sse(stream, head, choices, usage), media_type="text/event-stream"
+                sse(request, stream, head, choices, usage), media_type="text/event-stream"
             )
         # Not streaming: wait for the last outputs, but abort if the client hangs up meanwhile.
         result = asyncio.ensure_future(last_outputs(stream))
@@ -332,14 +413,15 @@ def build_app(
             outputs = result.result()
         except RuntimeError as e:  # a request failed inside the engine
             raise APIError(500, str(e), kind="server_error") from None
-        response = {**head, "choices": choices.whole(outputs), "usage": choices.usage()}
-        if (
-            chat and choices.prompt_logprobs
-        ):  # vLLM puts a chat's prompt logprobs beside its choices
-            response["prompt_logprobs"] = vllm_prompt_logprobs(outputs[0].prompt_logprobs)
-        return response
+        return await run_in_threadpool(whole_response, head, choices, outputs)
 
-    async def sse(stream: RequestStream, head: dict, choices: Choices, usage: StreamOptions):
+    async def sse(
+        request: Request,
+        stream: RequestStream,
+        head: dict,
+        choices: Choices,
+        usage: StreamOptions,
+    ):
         """Server-sent events. With stream_options.include_usage a last chunk carries the token
         counts; with continuous_usage_stats too, every chunk carries the counts so far (vLLM's
         extension)."""
@@ -353,9 +435,8 @@ def build_app(
             yield event({**head, "choices": choices.opening()})
         failed = False
         try:
-            async for (
-                outputs
-            ) in stream:  # each chunk: the choices that changed, each with only what is new
+            # each chunk: the choices that changed, each with only what is new
+            async for outputs in until_disconnect(request, stream):
                 changed = [
                     c
                     for out in outputs
@@ -365,9 +446,8 @@ def build_app(
                     yield event(
                         {**head, "choices": sorted(changed, key=lambda c: c["index"]), **counts()}
                     )
-        except (
-            RuntimeError
-        ) as e:  # a request failed inside the engine: tell the client in the stream
+        # a request failed inside the engine: tell the client in the stream
+        except RuntimeError as e:
             yield event(
                 {"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}}
             )

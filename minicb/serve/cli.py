@@ -3,13 +3,16 @@ notebooks."""
 
 import argparse
 import json
+import resource
 import threading
 import time
+from dataclasses import fields
 
 import uvicorn
 
 from .app import build_app
 from .engine_loop import AsyncEngine
+from .limits import ConnectionLimits, RequestLimits
 from .validation import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -17,15 +20,21 @@ class ServerThread:
     """uvicorn in a background thread on a free loopback port: `with ServerThread(app) as url:
     ...`."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(
+        self,
+        app,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        connections: ConnectionLimits | None = None,
+    ):
         # Let uvicorn bind (port 0: any free port). A socket made by socket.create_server has proto
         # 0, and asyncio then skips TCP_NODELAY: every response would wait ~40 ms for a delayed ACK.
         self.host = host
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2
-            )
+        config = (connections or ConnectionLimits()).uvicorn_config(
+            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2
         )
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="minicb-uvicorn", daemon=True)
 
     def __enter__(self) -> str:
@@ -43,9 +52,10 @@ class ServerThread:
         self.thread.join(15)
 
 
-def add_engine_arguments(parser, max_num_seqs: int = 32) -> None:
+def add_engine_arguments(parser, max_num_seqs: int = 32, max_decode_slowdown: float = 2.5) -> None:
     """The engine's knobs (EngineConfig fields, vLLM's flag names), shared by `serve` and the load
-    test."""
+    test. `max_decode_slowdown`: its default (serve's is 2.5; 0 is off, the engine's own
+    default)."""
     from ..config import (
         BATCHING_MODES,
         DTYPES,
@@ -101,6 +111,24 @@ def add_engine_arguments(parser, max_num_seqs: int = 32) -> None:
         choices=SCHEDULING_POLICIES,
         help="fcfs, priority (a request's lowest 'priority' value first) or sjf",
     )
+    parser.add_argument(
+        "--max-decode-slowdown",
+        type=float,
+        default=max_decode_slowdown,
+        metavar="FLOAT",
+        help="a step that carries prefill work may take at most this many times the estimated "
+        "time of its decodes alone, so a long prompt is spread over steps instead of stalling "
+        f"every stream (0: off, a token budget only; default {max_decode_slowdown})",
+    )
+    parser.add_argument(
+        "--step-cost",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="the time model --max-decode-slowdown uses, StepCost's fields in seconds: "
+        '\'{"step_s": 0.02, "token_s": 1e-4, "context_token_s": 1e-8, "logits_row_s": 1e-4}\' '
+        "(default: measured when the engine starts)",
+    )
     parser.add_argument("--batching", default="continuous", choices=BATCHING_MODES)
     parser.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
     parser.add_argument(
@@ -141,6 +169,8 @@ def engine_config(args, model: str | None = None):
         enable_prefix_caching=args.enable_prefix_caching,
         use_cuda_graph=graphs,
         speculative_config=args.speculative_config,
+        max_decode_slowdown=args.max_decode_slowdown or None,  # 0: off
+        step_cost=args.step_cost,
     )
 
 
@@ -191,6 +221,74 @@ def add_arguments(parser) -> None:
         help="append one JSON line per finished request: the server's own times (received, "
         "engine arrival, first token, finish) and token counts, to set beside a client's",
     )
+    parser.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a stream whose client reads nothing for this long is aborted, freeing its slots "
+        "(default 60)",
+    )
+    bounds = parser.add_argument_group(
+        "what one request may ask (a 400 naming the field and the flag beyond it; limits.py)"
+    )
+    defaults = RequestLimits()
+    for f in fields(RequestLimits):
+        default = getattr(defaults, f.name)
+        said = "" if default is None else f" (default {default})"  # None: the help says what
+        bounds.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=int,
+            default=default,
+            help=REQUEST_LIMITS[f.name] + said,
+        )
+    held = parser.add_argument_group("what connections may hold (uvicorn's settings; limits.py)")
+    defaults = ConnectionLimits()
+    for f in fields(ConnectionLimits):
+        default = getattr(defaults, f.name)
+        held.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            help=f"{CONNECTION_LIMITS[f.name]} (default {default})",
+        )
+
+
+# The flags' help; limits.py gives each default its reason.
+REQUEST_LIMITS = {
+    "max_stop_strings": "stop strings in one request",
+    "max_stop_string_chars": "characters in one stop string",
+    "max_stop_token_ids": "stop_token_ids in one request",
+    "max_logit_bias": "logit_bias entries in one request",
+    "max_logprobs": "alternatives per token: logprobs, top_logprobs, prompt_logprobs (vLLM's)",
+    "max_seats_per_request": "n x prompts: slots one request may hold (default: three quarters "
+    "of --max-num-seqs, at least 1)",
+    "max_tokens_per_request": "n x prompts x max_tokens of one request (default: 4 x "
+    "max_model_len)",
+}
+CONNECTION_LIMITS = {
+    "limit_concurrency": "connections open at once; one more is answered 503 and closed",
+    "timeout_keep_alive": "seconds an idle keep-alive connection stays open",
+    "timeout_request_head": "seconds a connection has to send a whole request head",
+    "backlog": "connections the kernel queues before the server accepts them",
+}
+
+
+def raise_file_limit(connections: ConnectionLimits) -> None:
+    """Let this process open the file descriptors `connections` may need (ulimit -n), or exit
+    saying why: a server out of descriptors refuses everyone, and asyncio logs every accept that
+    fails (the log grew 180 MB in 30 s)."""
+    needed = connections.file_descriptors
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise SystemExit(
+            f"--limit-concurrency {connections.limit_concurrency} and --backlog "
+            f"{connections.backlog} need about {needed} file descriptors, but this process may "
+            f"open at most {hard} (ulimit -Hn): lower them, or raise the limit"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
 def main(args) -> None:
@@ -208,13 +306,33 @@ def main(args) -> None:
 
         if args.core_threads is not None and args.core_threads < 1:
             raise SystemExit(f"--core-threads must be at least 1, got {args.core_threads}")
-        engine = RemoteEngine(engine_config(args), core_threads=args.core_threads)
-    app = build_app(
-        AsyncEngine(
-            engine, args.max_waiting, args.trace_steps, args.request_log, args.served_model_name
-        ),
+        engine = RemoteEngine(
+            engine_config(args), core_threads=args.core_threads, trace_steps=args.trace_steps
+        )
+    request_limits = RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)})
+    connections = ConnectionLimits(
+        **{f.name: getattr(args, f.name) for f in fields(ConnectionLimits)}
+    )
+    raise_file_limit(connections)
+
+    def on_fatal(message: str) -> None:  # from the engine loop's thread, once
+        print(f"minicb: the engine can serve no more ({message}); exiting", flush=True)
+        server.should_exit = True  # uvicorn's main loop checks it ten times a second
+
+    async_engine = AsyncEngine(
+        engine,
+        args.max_waiting,
+        args.trace_steps,
+        args.request_log,
         args.served_model_name,
-        args.max_request_bytes,
+        stall_timeout_s=args.stream_stall_timeout,
+        on_fatal=on_fatal,
+    )
+    app = build_app(async_engine, args.served_model_name, args.max_request_bytes, request_limits)
+    server = uvicorn.Server(
+        connections.uvicorn_config(
+            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5
+        )
     )
     c = engine.config
     where = (
@@ -229,4 +347,6 @@ def main(args) -> None:
         f"core {where})",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    server.run()
+    if async_engine.fatal_error is not None:  # a non-zero exit status: a supervisor restarts it
+        raise SystemExit(f"minicb: exited because the engine died: {async_engine.fatal_error}")
