@@ -32,9 +32,10 @@ from minicb.config import StepCost
 from minicb.model_executor.loader import load_model, save_tiny_model
 from minicb.serve.app import build_app
 from minicb.serve.cli import ServerThread, add_arguments, engine_config
+from minicb.serve.connections import ConnectionLimits
 from minicb.serve.engine_core import RemoteEngine
 from minicb.serve.engine_loop import AsyncEngine
-from minicb.serve.limits import ConnectionLimits, RequestLimits, max_chars_per_token
+from minicb.serve.limits import RequestLimits, max_chars_per_token
 from minicb.serve.validation import DEFAULT_MAX_REQUEST_BYTES
 
 MAX_LEN = 256
@@ -182,8 +183,8 @@ def test_request_limits_are_checked_when_made():
     resolved = RequestLimits().for_engine(max_num_seqs=32, max_model_len=8192)
     assert (resolved.max_seats_per_request, resolved.max_tokens_per_request) == (24, 4 * 8192)
     assert RequestLimits().for_engine(1, 16).max_seats_per_request == 1
-    with pytest.raises(ValueError, match="timeout_request_head must be a number of seconds"):
-        ConnectionLimits(timeout_request_head=0)
+    with pytest.raises(ValueError, match="timeout_request must be a number of seconds"):
+        ConnectionLimits(timeout_request=0)
 
 
 # ---------------------------------------------------------------------- refuse before working
@@ -324,24 +325,47 @@ def read_until_closed(sock: socket.socket) -> bytes:
     return got
 
 
-def test_a_connection_that_sends_no_whole_request_head_is_closed(worded):
-    connections = ConnectionLimits(timeout_request_head=0.5)
-    with bounded(worded, connections=connections) as s:
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def test_a_connection_that_sends_no_whole_request_is_closed(worded):
+    with bounded(worded, connections=ConnectionLimits(timeout_request=0.5)) as s:
         t0 = time.perf_counter()
-        with raw(s) as silent, raw(s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") as slow:
-            slow.sendall(b"Content-")  # a head sent a few bytes at a time never ends
+        with (
+            raw(s) as silent,
+            raw(s, HEAD) as slow_head,  # a head sent a few bytes at a time never ends
+            raw(s, HEAD + b"Content-Length: 40\r\n\r\n" + b'{"prompt": "w5"') as slow_body,
+        ):
+            slow_head.sendall(b"Content-")
             assert read_until_closed(silent) == b""
-            assert read_until_closed(slow) == b""
-        print(f"closed after {time.perf_counter() - t0:.2f} s (timeout_request_head 0.5 s)")
+            assert read_until_closed(slow_head) == b""
+            assert not read_until_closed(slow_body).startswith(b"HTTP/1.1 200")
+        print(f"closed after {time.perf_counter() - t0:.2f} s (timeout_request 0.5 s)")
         # a client that sends its request is served, and its keep-alive connection reused
         assert s.http.get("/health").status_code == s.http.get("/health").status_code == 200
+        still_serves(s)
 
 
-def test_connections_beyond_the_limit_get_503_at_once_and_one_log_line(worded, caplog):
-    connections = ConnectionLimits(limit_concurrency=4, timeout_request_head=60)
-    with bounded(worded, connections=connections) as s:
-        s.http.close()  # its connection would count
-        idle = [raw(s) for _ in range(4)]  # hold every connection, sending nothing
+def busy(s) -> socket.socket:
+    """A connection with a request in flight: its head came, its body never does. The server's
+    100 Continue says it has the request."""
+    sock = raw(s, HEAD + b"Content-Length: 40\r\nExpect: 100-continue\r\n\r\n")
+    assert sock.recv(100).startswith(b"HTTP/1.1 100 ")
+    return sock
+
+
+def test_idle_connections_never_keep_a_client_with_a_request_out(worded, caplog):
+    with bounded(worded, connections=ConnectionLimits(limit_concurrency=4)) as s:
+        s.http.close()  # a connection of its own would count
+        idle = [raw(s) for _ in range(20)]  # at most 4 open: a newcomer takes the oldest's place
+        assert all(read_until_closed(sock) == b"" for sock in idle[:16])
+        for sock in idle[16:]:
+            sock.settimeout(0.2)
+            with pytest.raises(TimeoutError):  # still open
+                sock.recv(1)
+        assert httpx.get(s.url + "/health").status_code == 200  # it took an idle one's place
+        # Only when every connection has a request in flight is a newcomer refused.
+        held = [busy(s) for _ in range(4)]
         with caplog.at_level(logging.WARNING, logger="minicb.server"):
             refused = [read_until_closed(raw(s)) for _ in range(20)]
         assert all(r.startswith(b"HTTP/1.1 503 ") and b"connection: close" in r for r in refused)
@@ -349,7 +373,7 @@ def test_connections_beyond_the_limit_get_503_at_once_and_one_log_line(worded, c
         assert "--limit-concurrency" in body["error"]["message"]
         warnings = [r for r in caplog.records if "connections refused" in r.getMessage()]
         assert len(warnings) == 1  # not one line per refused socket
-        for sock in idle:
+        for sock in idle + held:
             sock.close()
         deadline = time.monotonic() + 30  # the server notices the closes
         while True:
@@ -364,12 +388,11 @@ def test_connections_beyond_the_limit_get_503_at_once_and_one_log_line(worded, c
 
 def test_a_413_for_a_chunked_body_closes_the_connection(worded):
     with bounded(worded, max_request_bytes=1024) as s:
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        chunked = head + b"Transfer-Encoding: chunked\r\n\r\n" + b"800\r\n" + b"x" * 2048 + b"\r\n"
+        chunked = HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"800\r\n" + b"x" * 2048 + b"\r\n"
         with raw(s, chunked) as sock:  # ... and it would go on sending 100 MiB
             reply = read_until_closed(sock)
         assert reply.startswith(b"HTTP/1.1 413 ") and b"connection: close" in reply.lower()
-        with raw(s, head + b"Content-Length: 5000\r\n\r\n") as sock:
+        with raw(s, HEAD + b"Content-Length: 5000\r\n\r\n") as sock:
             reply = read_until_closed(sock)
         assert reply.startswith(b"HTTP/1.1 413 ") and b"connection: close" in reply.lower()
         still_serves(s)
@@ -379,7 +402,7 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(worded):
     with bounded(worded) as s:
         body = b'{"prompt": "w5", "max_tokens": 2}'
         both = (
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            HEAD
             + f"Content-Length: {len(body)}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
             + f"{len(body):x}\r\n".encode()
             + body
@@ -500,4 +523,4 @@ def test_the_serve_flags_make_the_limits_and_the_engine_config():
     assert config.max_decode_slowdown is None and config.step_cost == StepCost(**cost)
     args = p.parse_args(["--max-logprobs", "5", "--max-stop-strings", "4", "--backlog", "64"])
     assert (args.max_logprobs, args.max_stop_strings, args.max_seats_per_request) == (5, 4, None)
-    assert (args.backlog, args.limit_concurrency, args.timeout_request_head) == (64, 512, 10.0)
+    assert (args.backlog, args.limit_concurrency, args.timeout_request) == (64, 512, 10.0)

@@ -15,8 +15,9 @@ Bad input is stopped at the edge, before it reaches the engine, because the engi
 shared: one request that broke a step would fail every stream in flight. And no one request may
 take the service from everyone else, so every check that can refuse a request runs before any
 work whose cost grows with the input (limits.py has the bounds and their defaults). In order:
-  1. a connection beyond --limit-concurrency gets 503 as it opens, one that sends no whole request
-     head within --timeout-request-head seconds is closed (limits.BoundedH11Protocol);
+  1. at most --limit-concurrency connections are open: one more takes the place of the longest
+     idle one (or gets 503 when each has a request in flight), and a connection that sends no
+     whole request head within --timeout-request-head seconds is closed (connections.py);
   2. a body over --max-request-bytes gets 413 before it is read whole, and a body framed by both
      Content-Length and Transfer-Encoding gets 400; both close the connection (BodySizeLimit);
   3. JSON is parsed (in a worker thread when the body is over 64 KiB), and before anything walks

@@ -11,8 +11,9 @@ from dataclasses import fields
 import uvicorn
 
 from .app import build_app
+from .connections import ConnectionLimits
 from .engine_loop import AsyncEngine
-from .limits import ConnectionLimits, RequestLimits
+from .limits import RequestLimits
 from .validation import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -242,7 +243,7 @@ def add_arguments(parser) -> None:
             default=default,
             help=REQUEST_LIMITS[f.name] + said,
         )
-    held = parser.add_argument_group("what connections may hold (uvicorn's settings; limits.py)")
+    held = parser.add_argument_group("what connections may hold (connections.py)")
     defaults = ConnectionLimits()
     for f in fields(ConnectionLimits):
         default = getattr(defaults, f.name)
@@ -254,7 +255,7 @@ def add_arguments(parser) -> None:
         )
 
 
-# The flags' help; limits.py gives each default its reason.
+# The flags' help; limits.py and connections.py give each default its reason.
 REQUEST_LIMITS = {
     "max_stop_strings": "stop strings in one request",
     "max_stop_string_chars": "characters in one stop string",
@@ -267,9 +268,10 @@ REQUEST_LIMITS = {
     "max_model_len)",
 }
 CONNECTION_LIMITS = {
-    "limit_concurrency": "connections open at once; one more is answered 503 and closed",
+    "limit_concurrency": "connections open at once; one more closes the longest idle one, or "
+    "is answered 503 if every one has a request in flight",
     "timeout_keep_alive": "seconds an idle keep-alive connection stays open",
-    "timeout_request_head": "seconds a connection has to send a whole request head",
+    "timeout_request": "seconds a connection has to send a whole request, head and body",
     "backlog": "connections the kernel queues before the server accepts them",
 }
 

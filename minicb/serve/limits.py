@@ -1,35 +1,23 @@
-"""What one client may cost: bounds that keep any one request or connection from taking the
-service from everyone else.
+"""What one request may ask: bounds that keep any one request from taking the service from
+everyone else.
 
 A request that the schema allows can still cost every other client: 700,000 stop strings are
 searched for after every token, a 2-million-id prompt is walked by the parser, pydantic and the
-tokenizer before the engine finds it far too long, n=8 at eight slots stops first-come-first-served
-admission behind it for its whole run, and 20,000 idle sockets hold every file descriptor. So the
-server bounds what a request may ask (RequestLimits, each bound a 400 that names the field, the
-limit and the flag that raises it) and what a connection may hold (ConnectionLimits: uvicorn's
-own settings, and BoundedH11Protocol for the two things uvicorn leaves open). Every default is far
-above what a normal client sends. (vLLM bounds logprobs with --max-logprobs, 20; OpenAI's API takes
-up to 4 stop sequences.)
+tokenizer before the engine finds it far too long, and n=8 at eight slots stops
+first-come-first-served admission behind it for its whole run. So the server bounds what a request
+may ask (RequestLimits), each bound a 400 that names the field, the limit and the flag that raises
+it, each default far above what a normal client sends. (vLLM bounds logprobs with --max-logprobs,
+20; OpenAI's API takes up to 4 stop sequences.) What connections may hold is connections.py's.
 
 The checks are cheap and run before the work they protect (app.py lists the order):
 RequestBounds.check_sizes reads only the lengths of the top-level lists and strings of the parsed
 JSON, before pydantic walks them; the other checks read the validated fields before tokenizing.
 """
 
-import asyncio
-import functools
-import json
-import logging
-import time
 from dataclasses import dataclass, replace
-
-import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..sampling_params import MAX_LOGPROBS
 from .validation import APIError
-
-log = logging.getLogger("minicb.server")
 
 
 @dataclass(frozen=True)
@@ -273,145 +261,3 @@ def text_length(content) -> int:
         return 0
     texts = [p.get("text") for p in content if isinstance(p, dict)]
     return sum(len(t) for t in texts if isinstance(t, str))
-
-
-# ---------------------------------------------------------------------- connections
-@dataclass(frozen=True)
-class ConnectionLimits:
-    """What connections may hold: uvicorn's settings by uvicorn's names, and one of minicb's."""
-
-    # uvicorn's name and meaning: connections open at most; one more is answered 503 and closed
-    # at once. (uvicorn itself answers 503 only when a request comes, so an idle socket kept its
-    # descriptor: 20,000 of them held every one. BoundedH11Protocol applies it on connecting)
-    limit_concurrency: int = 512
-    # uvicorn's: seconds an idle keep-alive connection stays open after a response
-    timeout_keep_alive: float = 5.0
-    # Seconds from connecting (or from the first byte after a response) to a whole request head;
-    # uvicorn has no such timer, so a client that connected and sent nothing held its socket forever
-    timeout_request_head: float = 10.0
-    # uvicorn's: connections the kernel queues before the server accepts them
-    backlog: int = 2048
-
-    def __post_init__(self):
-        positive("limit_concurrency", self.limit_concurrency)
-        positive("backlog", self.backlog)
-        for name in ("timeout_keep_alive", "timeout_request_head"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-
-    def uvicorn_config(self, app, **kwargs) -> uvicorn.Config:
-        protocol = functools.partial(
-            BoundedH11Protocol,
-            timeout_request_head=self.timeout_request_head,
-            limit_concurrency=self.limit_concurrency,
-            refusals=Refusals(self.limit_concurrency),
-        )
-        return uvicorn.Config(
-            app,
-            http=protocol,
-            timeout_keep_alive=self.timeout_keep_alive,
-            backlog=self.backlog,
-            **kwargs,
-        )
-
-    @property
-    def file_descriptors(self) -> int:
-        """Descriptors the server may need: every connection, a full accept queue (asyncio
-        accepts a backlog's worth before any is refused), and the rest of the process."""
-        return self.limit_concurrency + self.backlog + FD_HEADROOM
-
-
-# the model's files, the engine core's pipes, threads' wake-up pipes, the log
-FD_HEADROOM = 256
-
-
-class Refusals:
-    """Connections refused for limit_concurrency, logged at most every LOG_EVERY_S: one line per
-    refused socket would flood the log exactly when someone opens thousands."""
-
-    LOG_EVERY_S = 10.0
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.count = 0
-        self.logged_at = -self.LOG_EVERY_S
-
-    def add(self) -> None:
-        self.count += 1
-        now = time.monotonic()
-        if now - self.logged_at >= self.LOG_EVERY_S:
-            self.logged_at = now
-            log.warning(
-                "%d connections refused so far: %d were open (--limit-concurrency)",
-                self.count,
-                self.limit,
-            )
-
-    def response(self) -> bytes:
-        body = json.dumps(
-            {
-                "error": {
-                    "message": f"server busy: {self.limit} connections are open "
-                    "(--limit-concurrency); retry later",
-                    "type": "overloaded",
-                    "param": None,
-                    "code": 503,
-                }
-            }
-        ).encode()
-        head = (
-            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            f"connection: close\r\nretry-after: 1\r\ncontent-length: {len(body)}\r\n\r\n"
-        )
-        return head.encode() + body
-
-
-class BoundedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol (h11_impl.py) with the two bounds it leaves open. Its
-    limit_concurrency answers 503 to a request, but a connection that sends nothing keeps its
-    socket meanwhile; and its only timer runs after a response (keep-alive), so a connection that
-    never sends a whole request head is never closed. Here a connection beyond limit_concurrency
-    gets the 503 as it opens, and a request head must arrive within timeout_request_head seconds
-    of connecting (or of its first byte after a response)."""
-
-    def __init__(
-        self, *args, limit_concurrency: int, timeout_request_head: float, refusals, **kwargs
-    ):
-        super().__init__(*args, **kwargs)
-        self.max_connections = limit_concurrency
-        self.timeout_request_head = timeout_request_head
-        self.refusals = refusals
-        self.head_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        if len(self.connections) > self.max_connections:  # the set holds this one too
-            # out of the count now: a refused socket must not count against the open ones
-            self.connections.discard(self)
-            transport.write(self.refusals.response())
-            transport.close()
-            self.refusals.add()
-            return
-        self.wait_for_head()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        is_between_requests = self.cycle is None or self.cycle.response_complete
-        if is_between_requests:
-            self.wait_for_head()  # a head has begun: the clock runs from its first byte
-        else:
-            self.stop_waiting()  # a whole head came: the request has the app's time
-
-    def connection_lost(self, exc) -> None:
-        super().connection_lost(exc)
-        self.stop_waiting()
-
-    def wait_for_head(self) -> None:
-        if self.head_timer is None:
-            self.head_timer = self.loop.call_later(self.timeout_request_head, self.transport.close)
-
-    def stop_waiting(self) -> None:
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-            self.head_timer = None
