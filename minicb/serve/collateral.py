@@ -4,21 +4,20 @@
     python -m minicb.serve.collateral --after --probes long-prompt,logit-bias --scale 0.25
 
 Each probe is tried on `python -m minicb serve` (the embedded SmolLM2-135M, --max-num-seqs 8,
---max-model-len 8192), a process of its own as a user starts it. Three clients stream 80-token
-greedy completions back to back; once each has its first token the probe is sent, and a second
-later a small request (8 tokens, not streamed) on a connection of its own. While the probe runs,
-until it and the small request are answered or --window-s has passed, the bench records the
-streams' inter-token gaps; at the window's end everything still running is cancelled (its client
-leaves), so that a server without protections cannot keep the bench for hours. A first trial
-without a probe gives the same streams' gaps alone, on the same server. The table: the probe's
-answer (200, or the 400's message), the others' gap (median / p90, and how many times their gap
-alone) and the small request's latency (capped at the window).
+--max-model-len 8192) in a process of its own. Three clients stream 80-token greedy completions
+back to back; once each has its first token the probe is sent, and a second later a small request
+(8 tokens, not streamed) on a connection of its own. Until both are answered or --window-s has
+passed, the bench records the streams' inter-token gaps; then everything still running is
+cancelled (its client leaves), so that a server without protections cannot keep it for hours. A
+first trial without a probe gives the streams' gaps alone, on the same server. The table: the
+probe's answer (200, or the 400's message), the others' gap (median / p90, and how many times
+their gap alone) and the small request's latency (capped at the window).
 
-"before" is the server with its protections off: `--max-decode-slowdown 0` (no time target for a
-step) and every per-request bound, a `--max-*` flag of `serve --help` other than the engine's own
-sizes, raised out of reach; "after" is the server's defaults. A server still busy after a trial is
-restarted, so that one probe's leftovers never reach the next. The full-size probes need the
-machine to themselves: run the bench with nothing else running and quote the CPU it prints.
+"before" is the server with its protections off: `--max-decode-slowdown 0` and every per-request
+bound (a `--max-*` flag of `serve --help` beyond the engine's sizes) out of reach, or with
+--before-tree the server of another checkout (the commit before issue 37: its per-token work too);
+"after" is the server's defaults. A server still busy after a trial is restarted. The full-size
+probes need the machine to themselves: run them with nothing else running, and quote the CPU.
 """
 
 import argparse
@@ -40,18 +39,16 @@ from pathlib import Path
 import httpx
 
 from ..metrics import percentile
+from ..sampling_params import MAX_LOGPROBS
 from .loadgen import STARTUP_TIMEOUT_S, http_client, server_state, stop
 
 SERVE = ["--max-num-seqs", "8", "--max-model-len", "8192"]
 # the engine's sizes and the limits that were there before issue 37: the same before and after
-KEPT = {
-    "--max-num-seqs",
-    "--max-num-batched-tokens",
-    "--max-model-len",
-    "--max-waiting",
-    "--max-request-bytes",
-}
-OUT_OF_REACH = "1000000000"  # "before": every new bound raised past any body of 4 MiB
+KEPT = {"--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--max-waiting"}
+KEPT.add("--max-request-bytes")
+# "before": every new bound past any 4 MiB body (but no time target, and --max-logprobs as before)
+OUT_OF_REACH = "1000000000"
+BEFORE = {"--max-decode-slowdown": "0", "--max-logprobs": str(MAX_LOGPROBS)}
 MAX_BODY = 4 * 2**20  # the body limit (--max-request-bytes' default): the lists are sized to it
 STREAMS = 3
 STREAM_TOKENS = 80
@@ -211,36 +208,31 @@ def outcome(task: asyncio.Future) -> dict:
     """A timed_post's result; {"status": None} if the window closed first."""
     if task.cancelled():
         return {"status": None}
-    if task.exception() is not None:
-        return {"status": None, "message": f"{type(task.exception()).__name__}"}
-    return task.result()
+    error = task.exception()
+    return task.result() if error is None else {"status": None, "message": type(error).__name__}
 
 
 # ---------------------------------------------------------------------- the servers
-def serve_env() -> dict:
-    # the server imports this very minicb, wherever the current directory is
-    here = str(Path(__file__).resolve().parents[2])
+def serve_env(tree: str | None = None) -> dict:
+    # the server imports this very minicb (or the one in `tree`), wherever the current directory is
+    here = tree or str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p)
     return {**os.environ, "PYTHONPATH": path}
 
 
-def bound_flags(help_text: str) -> list[str]:
-    """The `--max-*` flags of `serve --help` beyond the engine's sizes: the bounds of issue 37
-    (whatever this checkout has of them)."""
-    return sorted(set(re.findall(r"--max-[a-z0-9-]+", help_text)) - KEPT)
-
-
 def server_flags(mode: str, help_text: str) -> list[str]:
-    """`serve`'s flags for "before" (every bound out of reach, no time target) or "after"."""
-    if mode == "after":
-        return []
-    flags = []
-    for flag in bound_flags(help_text):
-        flags += [flag, "0" if flag == "--max-decode-slowdown" else OUT_OF_REACH]
-    return flags
+    """`serve`'s flags for "after" (none: its defaults) or "before": every `--max-*` flag of `serve
+    --help` beyond KEPT, the bounds of issue 37 that this checkout has, out of reach."""
+    bounds = sorted(set(re.findall(r"--max-[a-z0-9-]+", help_text)) - KEPT)
+    return [] if mode == "after" else [x for f in bounds for x in (f, BEFORE.get(f, OUT_OF_REACH))]
 
 
-def launch(flags: list[str], stack: ExitStack) -> str:
+def serve_help(tree: str | None) -> str:
+    cmd = [sys.executable, "-m", "minicb", "serve", "--help"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=serve_env(tree), cwd=tree).stdout
+
+
+def launch(flags: list[str], stack: ExitStack, tree: str | None) -> str:
     """`python -m minicb serve` on a free loopback port; its URL once /health answers. Closing
     `stack` stops it."""
     with socket.socket() as s:  # a free port: the server binds it a moment later
@@ -248,7 +240,10 @@ def launch(flags: list[str], stack: ExitStack) -> str:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "minicb", "serve", "--port", str(port), *flags]
     log = stack.enter_context(tempfile.TemporaryFile("w+"))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=serve_env())
+    # run in `tree` too: `python -m` puts the current directory first on the path
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=serve_env(tree), cwd=tree
+    )
     stack.callback(stop, proc)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -274,14 +269,19 @@ async def is_idle(url: str) -> bool:
     return g["num_requests_running"] == g["num_requests_waiting"] == g["kv_blocks_used"] == 0
 
 
-def run_mode(mode: str, names: list[str], args, help_text: str, vocab: int) -> dict:
+def run_mode(mode: str, names: list[str], args, vocab: int) -> dict:
+    tree = args.before_tree if mode == "before" else None
+    help_text = serve_help(tree)
+    if "--max-decode-slowdown" not in help_text:
+        print(f"note: the {mode} server has no --max-decode-slowdown", file=sys.stderr)
     flags = SERVE + server_flags(mode, help_text) + shlex.split(args.serve_args)
     rng = random.Random(os.urandom(8))  # fresh prompts: nothing cached from an earlier run
     builders = probe_bodies(args.scale, rng, vocab)
-    result = {"mode": mode, "command": "python -m minicb serve " + " ".join(flags), "rows": []}
+    command = "python -m minicb serve " + " ".join(flags) + (f" (from {tree})" if tree else "")
+    result = {"mode": mode, "command": command, "rows": []}
     print(f"\n{mode}: {result['command']}", file=sys.stderr)
     with ExitStack() as server:
-        url = launch(flags, server)
+        url = launch(flags, server, tree)
         for name in [None, *names]:
             probe = None if name is None else json.dumps(builders[name](), separators=(",", ":"))
             print(f"  {name or 'alone'} ({len(probe or '') / 2**20:.1f} MiB)", file=sys.stderr)
@@ -290,7 +290,7 @@ def run_mode(mode: str, names: list[str], args, help_text: str, vocab: int) -> d
             row["restarted"] = not asyncio.run(is_idle(url))
             if row["restarted"]:  # its leftovers must not reach the next probe
                 server.close()
-                url = launch(flags, server)
+                url = launch(flags, server, tree)
             result["rows"].append(row)
     return result
 
@@ -364,6 +364,12 @@ def main(argv=None) -> int:
     p.add_argument("--window-s", type=float, default=30.0, help="a probe's trial at most (30)")
     p.add_argument("--scale", type=float, default=1.0, help="of the probes' sizes (0.25: quick)")
     p.add_argument("--serve-args", default="", help="more flags for both servers, one string")
+    p.add_argument(
+        "--before-tree",
+        default=None,
+        help="run the before server from this checkout (e.g. a git worktree of the commit before "
+        "issue 37), with the flags it has, instead of this one with its bounds raised",
+    )
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     names = [n for n in args.probes.split(",") if n]
@@ -372,16 +378,10 @@ def main(argv=None) -> int:
         p.error(f"probes are {', '.join(PROBES)}; 0 < --scale <= 1; --window-s > {SMALL_AFTER_S}")
     from ..bench.machine import cpu_model
 
-    serve_help = [sys.executable, "-m", "minicb", "serve", "--help"]
-    help_text = subprocess.run(serve_help, capture_output=True, text=True, env=serve_env()).stdout
-    if "--max-decode-slowdown" not in help_text:
-        print("note: this server has no --max-decode-slowdown (no time target)", file=sys.stderr)
     model = next((a for a in shlex.split(args.serve_args) if a.startswith("/")), None)
     vocab = vocab_size(model)
     t0 = time.monotonic()
-    results = [
-        run_mode(mode, names, args, help_text, vocab) for mode in args.modes or ["before", "after"]
-    ]
+    results = [run_mode(mode, names, args, vocab) for mode in args.modes or ["before", "after"]]
     took = (time.monotonic() - t0) / 60
     print(f"\n{cpu_model()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}: {took:.1f} min")
     print(
