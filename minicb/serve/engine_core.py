@@ -18,6 +18,7 @@ the loop runs the same code whether the engine is in this process (tests, notebo
 """
 
 import multiprocessing as mp
+import signal
 import time
 
 from ..config import EngineConfig
@@ -234,6 +235,10 @@ def run_engine_core(
     # imported here: the API process never loads torch's model code for it
     from ..engine.llm_engine import Engine
 
+    # Ctrl-C in a terminal reaches the whole process group. The API process owns the shutdown (it
+    # says "shutdown", or its end of the pipe closes): a core that died of the signal first would
+    # look like a crash to it (AsyncEngine.fatal_error) and the server would exit as if failed.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if threads is not None:
             torch.set_num_threads(threads)
