@@ -165,7 +165,7 @@ class SamplingParams:
         """The parameters of sample `index` of an n-sample request: n=1 and, if seeded, seed +
         index."""
         seed = None if self.seed is None else self.seed + index
-        # checked once: samples share the request's lists, not check them again (~1 s for n = 8)
+        # checked once: the samples share the request's lists (checking again took ~1 s at n = 8)
         sample = copy.copy(self)
         object.__setattr__(sample, "n", 1)
         object.__setattr__(sample, "seed", seed)
