@@ -27,7 +27,6 @@ from minicb.model_executor.loader import load_model, save_tiny_model
 from minicb.serve.limits import RequestLimits
 
 MAX_LEN = 2048
-VOCAB = 1024  # room for logit_bias at its bound (1024 entries)
 PROMPT = 1500  # a long prompt for the tiny model: about 60 steps of chunks at the target
 STREAMS = 3
 STREAM_TOKENS = 160  # the streams outlive the probe's prompt (asserted)
@@ -38,6 +37,7 @@ SLOWDOWN = 2.5
 # seconds chosen to be exact in binary (as in test_step_cost.py): the estimates compare exactly
 COST = StepCost(step_s=0.0625, token_s=2**-9, context_token_s=2**-18, logits_row_s=2**-10)
 LIMITS = RequestLimits().for_engine(max_num_seqs=8, max_model_len=MAX_LEN)
+VOCAB = max(1024, LIMITS.max_logit_bias)  # room for logit_bias at its bound, distinct ids
 WAIT_S = 60.0  # every wait below is for an event, bounded by this on a slow and busy machine
 
 
