@@ -27,6 +27,7 @@ from reference import add_word_tokenizer
 from serving import CONFIG, NODELAY, Served, one_torch_thread  # noqa: F401 (a fixture)
 
 import minicb.serve.app as app_module
+import minicb.serve.prompts as prompts_module
 from minicb import Engine, EngineConfig
 from minicb.config import StepCost
 from minicb.model_executor.loader import load_model, save_tiny_model
@@ -204,8 +205,8 @@ def test_a_huge_echo_body_is_refused_before_tokenizing_or_detokenizing(worded, m
     # It is parsed in a worker thread and refused from its length alone: nothing tokenizes it, and
     # nothing detokenizes it for the echo.
     with bounded(worded) as s:
-        echo = Spy(app_module.echoed_prompt)
-        monkeypatch.setattr(app_module, "echoed_prompt", echo)
+        echo = Spy(prompts_module.echoed_prompt)
+        monkeypatch.setattr(prompts_module, "echoed_prompt", echo)
         tokenize = Spy(s.engine.tokenize)
         monkeypatch.setattr(s.engine, "tokenize", tokenize)
         sizes = Spy(s.app.state.check_sizes)

@@ -12,36 +12,32 @@ One HTTP request is one engine request per prompt (/v1/completions takes several
 samples; responses.py turns their outputs into OpenAI's choices, logprobs and usage.
 
 Bad input is stopped at the edge, before it reaches the engine, because the engine's steps are
-shared: one request that broke a step would fail every stream in flight. And no one request may
-take the service from everyone else, so every check that can refuse a request runs before any
-work whose cost grows with the input (limits.py has the bounds and their defaults). In order:
-  1. at most --limit-concurrency connections are open: one more takes the place of the longest
-     idle one (or gets 503 when each has a request in flight), and a connection that sends no
-     whole request head within --timeout-request-head seconds is closed (connections.py);
-  2. a body over --max-request-bytes gets 413 before it is read whole, and a body framed by both
-     Content-Length and Transfer-Encoding gets 400; both close the connection (BodySizeLimit);
-  3. JSON is parsed (in a worker thread when the body is over 64 KiB), and before anything walks
-     it, the lengths of its top-level lists and texts are checked: a token-id prompt longer than
-     max_model_len, more prompts than one request may hold, more stop strings, stop_token_ids or
-     logit_bias entries than the server takes, a text longer than max_model_len tokens could
-     spell (RequestBounds.check_sizes); then more than MAX_JSON_DEPTH nested containers, or a
-     string that is not valid Unicode (a lone surrogate such as "\\ud800"), gets 400;
+shared: one request that broke a step would fail every stream in flight. And no request may take
+the service from everyone else, so every check that can refuse a request runs before any work
+whose cost grows with the input (limits.py has the bounds and their defaults). In order:
+  1. at most --limit-concurrency connections: one more takes the place of the longest idle one
+     (503 if each has a request in flight), and one that has not sent a whole request within
+     --timeout-request seconds is closed (connections.py);
+  2. a body over --max-request-bytes gets 413 before it is read whole, one framed by both
+     Content-Length and Transfer-Encoding 400; both close the connection (BodySizeLimit);
+  3. JSON is parsed (in a worker thread over 64 KiB); then, before anything walks it, its lists
+     and texts are refused from their lengths (RequestBounds.check_sizes: a token-id prompt
+     longer than max_model_len, more prompts than a request may hold, too many stop strings,
+     stop_token_ids or logit_bias entries, a text longer than max_model_len tokens could spell);
+     then more than MAX_JSON_DEPTH nested containers or invalid Unicode ("\\ud800") gets 400;
   4. the pydantic models check every field's type and range, and sampling_params() what holds
      across fields (400 naming the field, never 422);
-  5. what the request asks: logprobs against --max-logprobs, n x prompts against
-     --max-seats-per-request, n x prompts x max_tokens against --max-tokens-per-request;
-  6. tokenization and chat templating run in a worker thread, so a long prompt costs its own
-     sender and nobody else; each prompt's length is checked against max_model_len as soon as it
-     is tokenized (core/limits.py), before an echo detokenizes it;
-  7. the engine refuses what only it can judge (the KV cache, the server full: 503), and a
-     request's prompts are admitted all or none.
-A request that still fails inside a step is stopped alone (engine.py, Engine._fail) and its
-client gets an error; everyone else keeps streaming. A client that hangs up aborts its requests
-at once, and one that stops reading its stream for --stream-stall-timeout seconds aborts them
-too. A whole response is built and encoded in a worker thread (echo and logprobs can make it
-megabytes). A full server answers 503 with Retry-After; a dead engine answers 503 on /health
-(saying what died) and /v1/models. Every error body has OpenAI's shape:
-{"error": {"message", "type", "param", "code"}}.
+  5. what it asks: logprobs against --max-logprobs, n x prompts against --max-seats-per-request,
+     n x prompts x max_tokens against --max-tokens-per-request;
+  6. tokenizing and chat templating run in a worker thread; each prompt's length is checked
+     against max_model_len once tokenized, before an echo detokenizes it (prompts.py);
+  7. the engine refuses what only it can judge (the KV cache; a full server: 503 with
+     Retry-After), and a request's prompts are admitted all or none.
+A request that still fails inside a step is stopped alone (Engine._fail), and everyone else keeps
+streaming. A client that hangs up aborts its requests at once, one that stops reading for
+--stream-stall-timeout seconds too. Whole responses are built off the event loop (whole_response).
+A dead engine answers 503 on /health (saying what died) and /v1/models. Every error body has
+OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
 import asyncio
@@ -54,12 +50,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from ..core.limits import check_request
-from ..engine.llm import chat_token_ids
 from ..sampling_params import SamplingParams
 from .engine_core import RemoteEngine
 from .engine_loop import AsyncEngine, QueueFullError, RequestStream
 from .limits import RequestBounds, RequestLimits, max_chars_per_token
+from .prompts import room_for_reply, tokenize_chat, tokenize_prompts
 from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -70,7 +65,7 @@ from .protocol import (
     SamplingFields,
     StreamOptions,
 )
-from .responses import Choices, Prompt, echoed_prompt, vllm_prompt_logprobs
+from .responses import Choices, Prompt, vllm_prompt_logprobs
 from .validation import (
     DEFAULT_MAX_REQUEST_BYTES,
     APIError,
@@ -105,22 +100,6 @@ STREAM = {
         }
     }
 }
-
-
-def room_for_reply(engine, num_prompt_tokens: int) -> int:
-    """Whatever max_model_len and the KV cache leave a chat reply."""
-    c = engine.config
-    room = min(
-        c.max_model_len - num_prompt_tokens, c.num_blocks * c.block_size - num_prompt_tokens + 1
-    )
-    if room <= 0:
-        raise APIError(
-            400,
-            f"prompt has {num_prompt_tokens} tokens, which leaves no room for a reply "
-            f"(max_model_len is {c.max_model_len})",
-            "messages",
-        )
-    return room
 
 
 def to_sampling_params(body: SamplingFields, default_max_tokens: int) -> SamplingParams:
@@ -169,51 +148,35 @@ async def until_disconnect(request: Request, stream: RequestStream):
         stream.abort()
 
 
-def tokenize_prompts(engine, prompts: list, params: SamplingParams, priority: int, echo: bool):
-    """Each prompt's Prompt, its length checked as soon as it is tokenized: a prompt too long for
-    max_model_len costs its tokenizing only, never the echo's detokenization."""
-    all_ids = []
-    for i, prompt in enumerate(prompts):
-        where = f"prompt {i}: " if len(prompts) > 1 else ""
-        try:
-            ids = engine.tokenize(prompt)
-        except ValueError as e:
-            raise APIError(400, where + str(e), "prompt") from None
-        try:  # the engine's own check (it runs again when the request is added)
-            check_request(engine.config, len(ids), params.max_tokens, priority, params.n)
-        except ValueError as e:
-            raise APIError(400, where + str(e)) from None
-        all_ids.append(ids)
-    if not echo:
-        return [Prompt(ids) for ids in all_ids]
-    texts = [p if isinstance(p, str) else None for p in prompts]
-    return [echoed_prompt(engine.tokenizer, t, ids) for t, ids in zip(texts, all_ids)]
-
-
-def tokenize_chat(engine, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    tokenizer = engine.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(
-            400,
-            f"model {engine.model_name!r} has no chat template: use /v1/completions",
-            "messages",
+def whole_response(head: dict, choices: Choices, outputs: dict) -> StreamingResponse:
+    """A response that is not streamed, built in a worker thread: echo and logprobs over many
+    prompts make it tens of megabytes. A thread alone is not enough: one json.dumps of it all, or
+    pydantic validating it, holds the GIL, and so stops the event loop, for seconds. So the dicts
+    are built in the response models' shape (the defaults they would add set here), encoded one
+    choice at a time, and sent piece by piece."""
+    whole = choices.whole(outputs)
+    rest = {**head, "usage": choices.usage()}
+    if choices.chat:  # vLLM puts a chat's prompt logprobs beside its choices
+        asked = choices.prompt_logprobs
+        rest["prompt_logprobs"] = (
+            vllm_prompt_logprobs(outputs[0].prompt_logprobs) if asked else None
         )
-    try:
-        return chat_token_ids(tokenizer, messages)
-    # templates may refuse some conversations (e.g. roles that do not alternate)
-    except Exception as e:
-        raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
+    else:
+        for choice in whole:
+            choice.setdefault("prompt_logprobs", None)
+    # {"choices": [choice, choice, ...], "id": ..., "usage": ...}
+    pieces = [b'{"choices":[']
+    pieces += [(b"," if i else b"") + to_json(choice) for i, choice in enumerate(whole)]
+    pieces.append(b"]," + to_json(rest)[1:])  # the other fields, after the choices
+    length = sum(len(p) for p in pieces)
+    return StreamingResponse(
+        iter(pieces), media_type="application/json", headers={"content-length": str(length)}
+    )
 
 
-def whole_response(head: dict, choices: Choices, outputs: dict) -> JSONResponse:
-    """A response that is not streamed, validated against its model and encoded: run in a worker
-    thread, since echo and logprobs over many prompts make it megabytes."""
-    response = {**head, "choices": choices.whole(outputs), "usage": choices.usage()}
-    model = ChatCompletionResponse if choices.chat else CompletionResponse
-    if choices.chat and choices.prompt_logprobs:  # vLLM puts a chat's beside its choices
-        response["prompt_logprobs"] = vllm_prompt_logprobs(outputs[0].prompt_logprobs)
-    return JSONResponse(model.model_validate(response).model_dump(mode="json"))
+def to_json(value) -> bytes:
+    """JSON as FastAPI's JSONResponse writes it (no NaN: responses.clamp keeps logprobs finite)."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 # ---------------------------------------------------------------------- the app
