@@ -27,13 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minicb"
 # ONE_STEP_LIMIT: 2300 physical lines of up to 120 characters before the rooms (2026-11-26); the
 # same text, wrapped at 100 characters and counted in reader lines, is about 2315.
-ONE_STEP_LIMIT, FILE_LIMIT, METHOD_LIMIT, MAX_LINE = 2400, 300, 40, 100
+# 2450 since 2026-11-27: the scheduler's time budget and seat passing (issue 37) added ~50.
+ONE_STEP_LIMIT, FILE_LIMIT, METHOD_LIMIT, MAX_LINE = 2450, 300, 40, 100
 # A file may be longer where splitting it would cut one idea in two: its limit and the reason.
 LONGER_FILES = {
     "core.scheduler": (
-        350,
-        "schedule() and update() are one loop read together: admission, the token and time "
-        "budgets, preemption and the bookkeeping after the step",
+        370,
+        "schedule() and update() are one loop read together: admission (seats passed fairly), "
+        "the token and time budgets, preemption and the bookkeeping after the step",
     )
 }
 # The floors, lowest first: a module imports from its own floor or the ones below, never above.

@@ -598,3 +598,23 @@ def test_out_of_blocks_preempts_the_lowest_priority_not_the_newcomer(prefix_cach
     low, high = res.requests
     assert high.num_preemptions == 0
     assert high.finish_step < low.finish_step
+
+
+def test_a_request_waiting_for_seats_lets_a_smaller_one_pass_a_bounded_number_of_times():
+    """n samples need n seats at once: FCFS would let such a request hold the queue while seats
+    sit free. A smaller request behind it takes a free seat; at most max_num_seqs pass it."""
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, num_blocks=4096)
+    streams = [SimRequest(8, 40) for _ in range(3)]
+    big = SimRequest(8, 5, arrival_step=3, n=6)  # 6 seats; 5 are free
+    small = SimRequest(8, 5, arrival_step=4)
+    res = simulate(streams + [big, small], config)
+    by_id = {r.request_id: r for r in res.requests}
+    assert by_id["4"].admitted_step == 4  # it did not wait for the big one
+    assert by_id["3"].admitted_step > by_id["4"].finish_step  # the big one waited for 6 seats
+    # a stream of small requests passes it at most max_num_seqs times, then it goes in
+    smalls = [SimRequest(8, 30, arrival_step=4 + 3 * i) for i in range(40)]
+    res = simulate(streams + [big] + smalls, config)
+    big_in = res.requests[3].admitted_step
+    passed = [r for r in res.requests[4:] if r.admitted_step < big_in]
+    assert len(passed) == config.max_num_seqs
+    assert big_in is not None

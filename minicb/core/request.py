@@ -64,6 +64,8 @@ class Request:
         self.error: str | None = None  # why it finished with "error"
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks (prefix cache)
         self.num_preemptions = 0
+        # requests admitted before it while it waited for seats (Scheduler._next_to_admit)
+        self.num_passed = 0
         self.admitted_step: int | None = None
         self.first_token_step: int | None = None
         self.finish_step: int | None = None

@@ -297,11 +297,8 @@ class Scheduler:
         rows = []
         forming = self._forming_batch()
         while self.waiting:
-            req = (
-                self.waiting[0]
-                if forming
-                else next((r for r in self.waiting if r.request_id in self.static_batch), None)
-            )
+            head = self.waiting[0]
+            req = self._next_to_admit(forming)
             must_wait = (
                 req is None
                 or not self._has_seats(req)
@@ -319,6 +316,8 @@ class Scheduler:
             )
             if does_not_fit:
                 break
+            if req is not head and forming:
+                head.num_passed += 1
             self.waiting.remove(req)
             bm.allocate(req, computed + num_new, hits)
             req.num_computed_tokens = computed
@@ -330,6 +329,23 @@ class Scheduler:
                 self._mark_admitted(req, out)
                 budget -= num_new
         return rows, budget
+
+    def _next_to_admit(self, forming: bool) -> Request | None:
+        """The waiting request to admit next: the policy's first, except that a request waiting
+        for seats (n samples need n at once) lets one needing fewer pass it, so that it does not
+        stop everyone behind it while seats sit free. At most max_num_seqs requests pass it; then
+        nobody does until it is in (it cannot wait forever)."""
+        if not forming:  # static batching: only the batch's own members come back
+            return next((r for r in self.waiting if r.request_id in self.static_batch), None)
+        head = self.waiting[0]
+        may_be_passed = (
+            self.config.batching == "continuous"
+            and not self._has_seats(head)
+            and head.num_passed < self.config.max_num_seqs
+        )
+        if not may_be_passed:
+            return head
+        return next((r for r in self.waiting[1:] if self._has_seats(r)), head)
 
     def _forming_batch(self) -> bool:
         """May new requests join? Always with continuous batching; with static batching only once
