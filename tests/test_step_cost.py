@@ -174,3 +174,20 @@ def test_the_engine_measures_its_step_cost_and_is_left_as_it_was(loaded):
             done = [o for o in e.step() if o.finished]
             outputs += [o.outputs[0].token_ids for o in done]
     assert outputs[0] == outputs[1] == outputs[2]  # only the chunks changed, not the tokens
+
+
+def test_a_short_prompt_arriving_beside_a_long_one_is_not_fed_one_token_a_step():
+    """The long prompt's chunk comes first in a step; with others waiting it takes only half of
+    the time left, so a short newcomer's prompt fits in the other half."""
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_blocks=4096,
+        max_decode_slowdown=2.5, step_cost=COST,
+    )  # fmt: skip
+    streams = [SimRequest(8, 300) for _ in range(3)]
+    long = SimRequest(6000, 2, arrival_step=3)
+    short = SimRequest(40, 4, arrival_step=60)
+    res = simulate(streams + [long, short], config)
+    long_done = res.requests[3].first_token_step
+    short = res.requests[4]
+    assert short.first_token_step < long_done  # it did not wait for the long prompt
+    assert short.first_token_step - short.arrival_step <= 2  # its 40 tokens in one or two steps

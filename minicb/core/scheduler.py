@@ -160,7 +160,7 @@ class Scheduler:
         num_new = min(remaining, budget)
         is_decode = req.num_tokens - computed == 1 and req.num_output_tokens > 0
         if self.timer is not None and not is_decode:
-            num_new = self.timer.chunk_that_fits(req, computed, num_new)
+            num_new = self.timer.chunk_that_fits(req, computed, num_new, bool(self.waiting))
         return num_new
 
     def _row(self, req: Request, num_new: int) -> ScheduledRequest:
@@ -221,7 +221,10 @@ class Scheduler:
         rows = {}
         ranked = sorted(self.running, key=self.policy_key)
         decoding = [r for r in ranked if r.num_tokens - r.num_computed_tokens == 1]
-        for req in decoding + [r for r in ranked if r.num_tokens - r.num_computed_tokens > 1]:
+        prefilling = [r for r in ranked if r.num_tokens - r.num_computed_tokens > 1]
+        if self.timer is not None:  # shortest first: a long prompt's chunks must not starve a short
+            prefilling.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)
+        for req in decoding + prefilling:
             if budget == 0:
                 break
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)

@@ -20,7 +20,7 @@ it carries alone (StepTimer, below). Pure Python.
 """
 
 from ..config import StepCost
-from .request import Request
+from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest
 
 
@@ -56,26 +56,33 @@ class StepTimer:
     def left_s(self) -> float:
         return self.slowdown * self.decode_s - self.decode_s - self.other_s
 
-    def tokens_that_fit(self, most: int, context: int, logits_per_token: int) -> int:
-        """The largest chunk of at most `most` tokens whose estimate fits what is left (0 if none
-        does). The estimate grows with the chunk, so a binary search finds it."""
+    def tokens_that_fit(
+        self, most: int, context: int, logits_per_token: int, share: float = 1.0
+    ) -> int:
+        """The largest chunk of at most `most` tokens whose estimate fits `share` of what is left
+        (0 if none does). The estimate grows with the chunk, so a binary search finds it."""
         lo, hi = 0, most
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.cost.row_s(mid, context, mid * logits_per_token) <= self.left_s:
+            if self.cost.row_s(mid, context, mid * logits_per_token) <= share * self.left_s:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    def chunk_that_fits(self, req: Request, computed: int, num_new: int) -> int:
+    def chunk_that_fits(
+        self, req: Request, computed: int, num_new: int, others_wait: bool = False
+    ) -> int:
         """The part of `req`'s next chunk (`num_new` tokens after `computed`) that fits what is
-        left. The first chunk of a step always gets at least one token, so that a prompt advances
-        even beside a full batch of decodes."""
+        left. A prompt already part-way through takes half of it when requests wait to be admitted
+        (a long prompt's chunks come first in the step, and would leave a short newcomer one token
+        a step). The first chunk of a step always gets at least one token, so that a prompt
+        advances even beside a full batch of decodes."""
         logits_per_token = int(
             req.params.prompt_logprobs is not None and req.num_output_tokens == 0
         )
-        fits = self.tokens_that_fit(num_new, computed, logits_per_token)
+        share = 0.5 if others_wait and req.status == RequestStatus.RUNNING else 1.0
+        fits = self.tokens_that_fit(num_new, computed, logits_per_token, share)
         is_first_chunk = self.other_s == 0
         if fits == 0 and is_first_chunk:
             return 1
