@@ -44,6 +44,7 @@ import asyncio
 import json
 import time
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -209,6 +210,9 @@ def build_app(
     )
     app.router.route_class = CheckedJSONRoute
     app.state.check_sizes = bounds.check_sizes  # CheckedJSONRequest runs it on the parsed JSON
+    # one large body parsed at a time: json.loads holds the GIL, and 40 threads parsing at once
+    # kept the event loop waiting for its turn (the others wait on the loop, where it is free)
+    app.state.parse_limiter = anyio.CapacityLimiter(1)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
     # APIError, unknown route, wrong method, 413: one error body

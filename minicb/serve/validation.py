@@ -14,11 +14,11 @@ in OpenAI's error shape that names the field:
 
 import json
 
+import anyio
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
@@ -158,15 +158,18 @@ PARSE_IN_THREAD_BYTES = 64 * 2**10
 
 
 class CheckedJSONRequest(Request):
-    """A request whose JSON goes through parse_json(), with the app's size checks
-    (app.state.check_sizes, set by build_app)."""
+    """A request whose JSON goes through parse_json(), with the app's size checks and its limiter
+    of parsing threads (app.state.check_sizes and parse_limiter, set by build_app)."""
 
     async def json(self):
         if not hasattr(self, "_json"):
             body = await self.body()
             check_sizes = getattr(self.app.state, "check_sizes", None)
             if len(body) > PARSE_IN_THREAD_BYTES:
-                self._json = await run_in_threadpool(parse_json, body, check_sizes)
+                limiter = getattr(self.app.state, "parse_limiter", None)  # None: anyio's own
+                self._json = await anyio.to_thread.run_sync(
+                    parse_json, body, check_sizes, limiter=limiter
+                )
             else:
                 self._json = parse_json(body, check_sizes)
         return self._json
