@@ -136,8 +136,8 @@ def serve_command(
         flag = "--" + name.replace("_", "-")
         if isinstance(default, bool) and value != default:
             cmd.append(flag if value else f"--no-{flag[2:]}")
-        elif value != default:
-            cmd += [flag, str(value)]
+        elif value != default:  # a dict flag (--speculative-config, --step-cost) as JSON
+            cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     if getattr(args, "core_threads", None) is not None and not in_process:
         cmd += ["--core-threads", str(args.core_threads)]
     return cmd + (["--engine-in-process"] if in_process else [])

@@ -316,8 +316,10 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="serve a tiny random model instead (fast)")
     from .cli import add_engine_arguments, engine_config
 
+    # no time target by default: the load test compares throughput, server against offline
     add_engine_arguments(
-        p.add_argument_group("the engine (of the server started here, and offline)")
+        p.add_argument_group("the engine (of the server started here, and offline)"),
+        max_decode_slowdown=0,
     )
     p.add_argument(
         "--core-threads",
