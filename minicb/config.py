@@ -91,7 +91,7 @@ class EngineConfig:
     # core/step_cost.py): a step that carries prefill work may take at most this many times the
     # estimated time of its decodes alone, so one long or expensive prompt is spread over steps
     # instead of stalling every stream. None: off (vLLM's behaviour: a token budget only); `serve`
-    # sets 2.5
+    # sets 2.0
     max_decode_slowdown: float | None = None
     # The time model it uses (config.StepCost, seconds); None with max_decode_slowdown set: the
     # engine measures it on this machine when it starts (engine/step_cost.py)

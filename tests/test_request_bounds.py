@@ -517,7 +517,7 @@ def test_the_serve_flags_make_the_limits_and_the_engine_config():
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args([])
-    assert engine_config(args).max_decode_slowdown == 2.5  # serve's default
+    assert engine_config(args).max_decode_slowdown == 2.0  # serve's default
     cost = {"step_s": 0.02, "token_s": 1e-4, "context_token_s": 1e-8, "logits_row_s": 1e-4}
     args = p.parse_args(["--max-decode-slowdown", "0", "--step-cost", json.dumps(cost)])
     config = engine_config(args)

@@ -53,9 +53,9 @@ class ServerThread:
         self.thread.join(15)
 
 
-def add_engine_arguments(parser, max_num_seqs: int = 32, max_decode_slowdown: float = 2.5) -> None:
+def add_engine_arguments(parser, max_num_seqs: int = 32, max_decode_slowdown: float = 2.0) -> None:
     """The engine's knobs (EngineConfig fields, vLLM's flag names), shared by `serve` and the load
-    test. `max_decode_slowdown`: its default (serve's is 2.5; 0 is off, the engine's own
+    test. `max_decode_slowdown`: its default (serve's is 2.0; 0 is off, the engine's own
     default)."""
     from ..config import (
         BATCHING_MODES,

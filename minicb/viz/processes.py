@@ -22,7 +22,7 @@ API, CORE = "api", "core"
 API_SIDE = [
     ("FastAPI / uvicorn", "HTTP and JSON in, server-sent events out"),
     ("InputProcessor", "tokenize, validate, make the samples of each request"),
-    ("per-request streams", "one asyncio.Queue per HTTP request"),
+    ("per-request streams", "the newest output of each request, per HTTP request"),
     (
         "engine loop + RemoteEngine",
         "a mirror of every request in flight, grown from the step messages",
