@@ -40,7 +40,7 @@ import httpx
 
 from ..metrics import percentile
 from ..sampling_params import MAX_LOGPROBS
-from .loadgen import STARTUP_TIMEOUT_S, http_client, server_state, stop
+from .loadgen import http_client, server_state, stop, wait_until_healthy
 
 SERVE = ["--max-num-seqs", "8", "--max-model-len", "8192"]
 # the engine's sizes and the limits that were there before issue 37: the same before and after
@@ -245,18 +245,7 @@ def launch(flags: list[str], stack: ExitStack, tree: str | None) -> str:
         cmd, stdout=log, stderr=subprocess.STDOUT, env=serve_env(tree), cwd=tree
     )
     stack.callback(stop, proc)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            log.seek(0)
-            raise RuntimeError(f"the server did not start ({' '.join(cmd[1:])}):\n{log.read()}")
-        time.sleep(0.2)
+    return wait_until_healthy(proc, f"http://127.0.0.1:{port}", log)
 
 
 async def is_idle(url: str) -> bool:

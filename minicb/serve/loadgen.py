@@ -164,7 +164,13 @@ def start_server(
     }
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     stack.callback(stop, proc)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + STARTUP_TIMEOUT_S
+    return wait_until_healthy(proc, f"http://127.0.0.1:{port}", log)
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, log) -> str:
+    """`url` once the server `proc` answers /health; RuntimeError with the tail of its `log` if
+    it exits first or takes longer than STARTUP_TIMEOUT_S."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
