@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 import minicb.model_executor.attention
+import minicb.model_executor.cpu_attention
 from minicb.model_executor.attention import (
     AttentionMetadata,
     decode_attention,
@@ -140,10 +141,14 @@ def test_padded_rows_write_only_the_sink_and_do_not_change_real_rows():
 @pytest.mark.parametrize(
     "causal_devices", [("cuda",), ("cuda", "cpu")]
 )  # the second: whole prompts with is_causal
+@pytest.mark.parametrize("explicit_scores_max", [0, 2**24])  # masked chunks: SDPA / explicit
 def test_prefill_attention_over_a_cached_prefix_equals_dense_causal_attention(
-    sliding_window, causal_devices, monkeypatch
+    sliding_window, causal_devices, explicit_scores_max, monkeypatch
 ):
     monkeypatch.setattr(minicb.model_executor.attention, "CAUSAL_FLASH_DEVICES", causal_devices)
+    monkeypatch.setattr(
+        minicb.model_executor.cpu_attention, "EXPLICIT_SCORES_MAX", explicit_scores_max
+    )
     block_size, num_blocks = 3, 20
     k_cache, v_cache = random_cache(num_blocks, block_size, seed=2)
     # seq 0: decode; seq 1: chunk of 4 after a cached prefix of 7; seq 2: fresh prompt of 5

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import cdiv
+from .cpu_attention import masked_chunk_attention
 from .paged_flash import flash_pages_attention
 from .ragged_attention import grouped_decode_attention
 
@@ -214,16 +215,17 @@ def prefill_attention(
         causal = (
             prefix_len == 0 and sliding_window is None and q.device.type in CAUSAL_FLASH_DEVICES
         )
-        # SDPA wants (heads, len, head_dim); enable_gqa shares kv heads across query groups.
-        out = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            attn_mask=None if causal else allowed,
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=True,
-        )
+        if causal:  # SDPA wants (heads, len, head_dim); enable_gqa shares kv heads across groups
+            out = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1),
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+        else:  # SDPA with the mask, or on a CPU softmax(q K^T) V from the definition
+            out = masked_chunk_attention(q[start:end], keys, values, allowed, scale)
         outs.append(out.transpose(0, 1))
     return torch.cat(outs)
 
