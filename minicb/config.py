@@ -303,6 +303,9 @@ class StepCost:
     token_s: float  # each token through the linear layers
     context_token_s: float  # each (token, earlier position) pair its attention reads
     logits_row_s: float  # each extra LM-head row and log-softmax (prompt log-probabilities)
+    # each position of context a row reads, once per row whatever its tokens: its prefix's cached
+    # keys and values gathered from the block table and streamed through memory
+    position_s: float = 0.0
 
     def __post_init__(self):
         for name, value in asdict(self).items():
@@ -323,17 +326,21 @@ class StepCost:
 
     def row_s(self, num_tokens: int, context: int, logits_rows: int = 0) -> float:
         """Seconds a row adds to a step: `num_tokens` new tokens after `context` computed ones.
-        Token i (0-based) attends to context + i + 1 positions, itself included."""
+        Token i (0-based) attends to context + i + 1 positions, itself included; the row reads
+        context + num_tokens positions of keys and values."""
+        if num_tokens == 0:
+            return 0.0
         attended = num_tokens * context + num_tokens * (num_tokens + 1) // 2
         return (
             self.token_s * num_tokens
             + self.context_token_s * attended
             + self.logits_row_s * logits_rows
+            + self.position_s * (context + num_tokens)
         )
 
     def __repr__(self):
         return (
             f"StepCost(step={self.step_s * 1e3:.2f} ms, token={self.token_s * 1e3:.3f} ms, "
             f"context_token={self.context_token_s * 1e6:.4f} us, "
-            f"logits_row={self.logits_row_s * 1e3:.3f} ms)"
+            f"logits_row={self.logits_row_s * 1e3:.3f} ms, position={self.position_s * 1e6:.2f} us)"
         )

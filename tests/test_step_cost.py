@@ -13,6 +13,7 @@ from minicb.config import StepCost
 from minicb.core.request import Request
 from minicb.core.scheduler import Scheduler
 from minicb.core.step_cost import StepTimer
+from minicb.engine.step_cost import calibrate_step_cost
 from minicb.model_executor.loader import load_model, save_tiny_model
 from minicb.sampling_params import SamplingParams
 from minicb.sim import SimRequest, scripted_step, simulate
@@ -51,6 +52,10 @@ def test_a_row_costs_its_tokens_the_positions_they_attend_and_its_logits():
     assert cost.row_s(3, 10) == 3 + 36
     assert cost.row_s(3, 10, logits_rows=3) == 3 + 36 + 3
     assert cost.row_s(0, 10) == 0
+    # and the row reads 13 positions of keys and values, once, whatever its tokens
+    reads = StepCost(step_s=0, token_s=0, context_token_s=0, logits_row_s=0, position_s=1)
+    assert reads.row_s(3, 10) == 13 and reads.row_s(1, 12) == 13 and reads.row_s(0, 10) == 0
+    assert StepCost.of({**COST.__dict__, "position_s": 0.5}).position_s == 0.5
 
 
 @given(
@@ -174,6 +179,32 @@ def test_the_engine_measures_its_step_cost_and_is_left_as_it_was(loaded):
             done = [o for o in e.step() if o.finished]
             outputs += [o.outputs[0].token_ids for o in done]
     assert outputs[0] == outputs[1] == outputs[2]  # only the chunks changed, not the tokens
+
+
+def test_the_calibration_steps_tell_every_number_of_the_model_apart(loaded, monkeypatch):
+    """Each of the five numbers must be identifiable from the steps the calibration times: the
+    regressors of its distinct steps have full rank, and the short chunks (which alone separate a
+    row's cost per position read from its cost per position attended) ran deep in the prompt, on
+    its cached prefix, beside nothing else."""
+    seen = []
+    lstsq = torch.linalg.lstsq
+
+    def spy(x, y):
+        seen.append(x.clone())
+        return lstsq(x, y)
+
+    monkeypatch.setattr(torch.linalg, "lstsq", spy)
+    config = EngineConfig(
+        model=loaded.name, dtype="float64", block_size=4, num_blocks=512, max_model_len=256
+    )
+    engine = Engine(config.replace(enable_prefix_caching=False), loaded)
+    cost = calibrate_step_cost(engine)
+    (x,) = seen
+    assert torch.linalg.matrix_rank(x) == 5 and cost.position_s >= 0
+    # (1, tokens, attended, logits rows, positions read): one row each, k tokens at context c
+    short = {(int(t), int(r - t)) for _, t, a, lg, r in x.tolist() if t in (1, 16, 64) and lg == 0}
+    assert {k for k, _ in short} == {1, 16, 64} and max(c for _, c in short) >= 128
+    assert engine.scheduler.config.enable_prefix_caching is False  # the engine's own, restored
 
 
 def test_a_short_prompt_arriving_beside_a_long_one_is_not_fed_one_token_a_step():

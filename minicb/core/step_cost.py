@@ -12,8 +12,15 @@ on the hardware; StepCost is that measurement, as a linear model of a step's tim
          + token_s         x tokens                  (the linear layers, per token)
          + context_token_s x sum over tokens of the positions each one attends to
          + logits_row_s    x LM-head rows beyond the one sampled (prompt log-probabilities)
+         + position_s      x sum over rows of the positions of context each one reads
 
-StepCost (config.py) holds the four numbers; the engine fits them on its own machine when it
+The last term is per row, not per token: before it attends, a row gathers its whole context's
+cached keys and values from its block table and streams them through memory, as much work for a
+chunk of one token as for a chunk of 64. On a CPU it is what a short chunk deep in a long prompt
+costs (SmolLM2-135M on a 2-core EPYC: about 20 us per position, so a one-token chunk at 8k of
+context costs about 160 ms, twice a decode step of three streams).
+
+StepCost (config.py) holds the five numbers; the engine fits them on its own machine when it
 starts (engine/step_cost.py). With `max_decode_slowdown` set, the scheduler gives a prefill chunk
 only the tokens that keep the step's estimate within that many times the estimate of the decodes
 it carries alone (StepTimer, below). Pure Python.

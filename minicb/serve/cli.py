@@ -127,8 +127,9 @@ def add_engine_arguments(parser, max_num_seqs: int = 32, max_decode_slowdown: fl
         default=None,
         metavar="JSON",
         help="the time model --max-decode-slowdown uses, StepCost's fields in seconds: "
-        '\'{"step_s": 0.02, "token_s": 1e-4, "context_token_s": 1e-8, "logits_row_s": 1e-4}\' '
-        "(default: measured when the engine starts)",
+        '\'{"step_s": 0.02, "token_s": 1e-4, "context_token_s": 1e-8, "logits_row_s": 1e-4, '
+        '"position_s": 1e-6}\' (position_s may be left out: 0; default: measured when the engine '
+        "starts)",
     )
     parser.add_argument("--batching", default="continuous", choices=BATCHING_MODES)
     parser.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
