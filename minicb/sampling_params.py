@@ -9,6 +9,8 @@ import copy
 import math
 from dataclasses import dataclass
 
+from .structured_outputs_params import StructuredOutputsParams
+
 # The limits the engine can honour, so that a request that passes validation can never fail a step.
 # larger than any vocabulary: a top_k above the vocabulary size keeps every token
 MAX_TOP_K = 2**31 - 1
@@ -64,6 +66,8 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token: the sampled token's plus this many top ones
     # per prompt token (the first has none); no prefix-cache hits
     prompt_logprobs: int | None = None
+    # a JSON schema, regex, choice or grammar the output must follow (vLLM's structured outputs)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         check, integer, number = self._require, _is_int, _is_number
@@ -139,6 +143,9 @@ class SamplingParams:
                 for t, b in bias.items()
             ),
             f"a map from token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )
+        object.__setattr__(
+            self, "structured_outputs", StructuredOutputsParams.of(self.structured_outputs)
         )
         # Given lists become tuples and the bias a copy, so later edits by the caller change
         # nothing.

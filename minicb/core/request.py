@@ -15,6 +15,8 @@ from ..sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued (new, or preempted by recompute)
+    # its grammar (structured outputs) is being compiled: held by the engine, not yet queued
+    WAITING_FOR_FSM = "waiting_for_fsm"
     RUNNING = "running"  # holds a slot and KV blocks on the device
     SWAPPED = "swapped"  # preempted by swap: its KV blocks sit in CPU memory
     FINISHED_STOPPED = "stop"  # produced EOS or a stop token
@@ -71,6 +73,8 @@ class Request:
         self.finish_step: int | None = None
         self.metrics = RequestMetrics()
         self.generator = None  # per-request torch.Generator for seeded sampling (set by the engine)
+        # structured outputs: its matcher (structured_output.RequestGrammar), set once compiled
+        self.grammar = None
         # its min_tokens and logit_bias ids as tensors, built once (sample/penalties.py)
         self.processor_tensors = None
         # Samples 1..n-1 of an n-sample request, made at arrival but kept out of the scheduler until

@@ -13,6 +13,7 @@ from ..config import EngineConfig
 from ..core.limits import check_request
 from ..core.request import Request
 from ..sampling_params import SamplingParams
+from ..structured_output import check_structured_outputs
 
 
 class InputProcessor:
@@ -74,6 +75,7 @@ class InputProcessor:
                 f"got {max(params.logit_bias)}"
             )
         check_request(self.config, len(ids), params.max_tokens, priority, params.n)
+        check_structured_outputs(params.structured_outputs, self.tokenizer)
         # vLLM's child ids
         sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]
         if any(sid in taken for sid in sample_ids):

@@ -21,6 +21,7 @@ from ..model_executor.loader import LoadedModel, load_model
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..spec_decode.ngram_proposer import NgramProposer, propose_drafts
+from ..structured_output import StructuredOutputManager
 from ..trace import Trace
 from ..worker.memory import resolve_config
 from ..worker.model_runner import ModelRunnerOutput
@@ -45,7 +46,7 @@ class Engine:
             )
         self.config = config = resolve_config(config, loaded)
         self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = loaded.eos_token_ids
+        self.eos_token_ids = eos = loaded.eos_token_ids
         self.vocab_size = loaded.vocab_size
         self.model_name = loaded.name
         # weights, KV cache, model runner and graphs on the device (worker.py)
@@ -67,6 +68,8 @@ class Engine:
         # drafts proposed after each step, verified in the next (spec_decode.py)
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec else None
+        # structured outputs: grammars compiled off the loop, their requests held until ready
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self._next_id = 0  # for request ids chosen by the engine
         self._num_added = 0  # arrival order (FIFO key)
         needs_step_cost = config.max_decode_slowdown is not None and config.step_cost is None
@@ -103,7 +106,10 @@ class Engine:
         process)."""
         for sample in samples:
             sample.arrival_index = self._num_added  # arrival order here: the FIFO key
-        self.scheduler.add_request(samples[0])  # refuses (changing nothing) what could never run
+        if samples[0].params.structured_outputs is None:
+            self.scheduler.add_request(samples[0])  # refuses (changing nothing) what never runs
+        else:  # queued once its grammar is compiled (make_request checked that it compiles)
+            self.structured.hold(samples)
         self.output_processor.add_request(samples)
         self._num_added += 1
 
@@ -112,6 +118,8 @@ class Engine:
         samples = self.output_processor.samples.get(request_id)
         if samples is None:
             return None
+        if self.structured.drop(samples, self.scheduler):  # its grammar was not ready yet
+            return self.output_processor.output(request_id)
         # samples not forked yet finish with the first one (Scheduler._finish)
         for sample in samples:
             if self.scheduler.abort_request(sample.request_id) is not None:
@@ -120,11 +128,12 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (a no-op otherwise, and when called twice)."""
+        self.structured.shutdown()
         if self.tp is not None:
             self.tp.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.structured.waiting)
 
     def _fail(self, request_id: str, why: str) -> None:
         """Stop one sample whose own inputs broke this step; everything else keeps running."""
@@ -144,6 +153,8 @@ class Engine:
         """Run one iteration. Returns a RequestOutput for every request that got a token, and for
         every request that finished without one since the last step (aborted)."""
         t0 = time.perf_counter()
+        if self.structured.waiting:  # structured outputs: queue the requests whose grammar is ready
+            self.structured.queue_ready(self.scheduler)
         out = self.scheduler.schedule()
         for rid in out.admitted:
             req = self.scheduler.requests[rid]
@@ -166,6 +177,8 @@ class Engine:
             out, [0 if t is None else t for t in result.sampled_token_ids], result.accepted_drafts
         )
         now = time.perf_counter()
+        for req, why in self.structured.advance(touched, self.scheduler):
+            self._fail(req.request_id, why)
         for req in touched:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now

@@ -33,10 +33,16 @@ def can_speculate(req) -> bool:
     """May this request verify drafts? Not when the logits of a draft position would depend on the
     drafts before it (min_tokens, penalties, logit_bias), nor when it asked for per-token
     log-probabilities (the verified positions would need their own), nor before its n samples have
-    forked."""
+    forked, nor when a grammar constrains it (each draft position would need the mask of the
+    grammar advanced past the drafts before it, and a rollback of those rejected: minicb refuses
+    drafts for constrained rows instead, so their output is the same with drafts on or off)."""
     p = req.params
     return not (
-        p.processes_logits or p.logprobs is not None or p.prompt_logprobs is not None or req.forks
+        p.processes_logits
+        or p.logprobs is not None
+        or p.prompt_logprobs is not None
+        or req.forks
+        or p.structured_outputs is not None
     )
 
 

@@ -31,6 +31,7 @@ from ..sample.penalties import process_logits
 from ..sample.rejection_sampler import verify_drafts
 from ..sample.sampler import Sampler
 from ..spec_decode.ngram_proposer import SpecDecodingStats
+from ..structured_output import apply_grammars
 
 
 @dataclass
@@ -232,6 +233,7 @@ class ModelRunner:
 
     def _sample(self, logits, seqs: list[Request], result: ModelRunnerOutput) -> list[int]:
         params = [s.params for s in seqs]
+        logits = apply_grammars(logits, seqs)  # structured outputs: forbidden tokens at -inf
         # (n, vocab): the very tensor when none is set
         logits = process_logits(logits, params, seqs)
         tokens = self.sampler(logits, params, [self._generator(s) for s in seqs]).tolist()

@@ -1,0 +1,34 @@
+"""The token bitmask: which tokens a constrained row may sample next, 32 tokens per int32 word.
+
+Bit j of word w says whether token 32 * w + j is allowed (1) or not (0), the layout llguidance and
+xgrammar both write. Applying it is one masked fill per step over the constrained rows only.
+"""
+
+import torch
+
+BITS = torch.arange(32, dtype=torch.int32)  # the shift of each token within its word
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per row: one bit per token, rounded up to whole words."""
+    return (vocab_size + 31) // 32
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(rows, words) int32 bitmask -> (rows, vocab_size) bool: True where a token is allowed."""
+    bits = (bitmask.unsqueeze(-1) >> BITS.to(bitmask.device)) & 1  # (rows, words, 32)
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]):
+    """Logits with the tokens that row rows[i]'s bitmask (bitmask[i]) forbids set to -inf.
+
+    logits: (n, vocab); bitmask: (len(rows), words) int32 on the CPU. The other rows are returned
+    exactly as they were (the tensor itself when `rows` is empty)."""
+    if not rows:
+        return logits
+    index = torch.tensor(rows, device=logits.device)
+    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[1])
+    masked = logits.clone()
+    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return masked
