@@ -93,3 +93,34 @@ def save_tiny_model(
     path = Path(path)
     make_tiny_model(arch, seed, dtype, **config_overrides).save_pretrained(path)
     return path
+
+
+BYTE_VOCAB = 256  # a byte tokenizer's tokens: one per byte value, then <eos>
+
+
+def save_byte_tokenizer(path: str | os.PathLike) -> int:
+    """Write a fast tokenizer with one token per byte (ids 0-255) and <eos> (256) into `path`, for
+    tests that need text from a tiny model (structured outputs): give the model a vocabulary of at
+    least 257 and eos_token_id=256. Returns the EOS id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the 256 characters that stand for bytes
+    by_byte = sorted(byte_chars, key=lambda c: _byte_of(c))
+    vocab = {c: i for i, c in enumerate(by_byte)} | {"<eos>": BYTE_VOCAB}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<eos>"])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+    fast.save_pretrained(path)
+    return BYTE_VOCAB
+
+
+def _byte_of(char: str) -> int:
+    """The byte a ByteLevel character stands for (GPT-2's printable remapping of the 256 bytes)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    code = ord(char)
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
