@@ -12,6 +12,7 @@ from .sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "Engine",
     "EngineConfig",
     "SamplingParams",
@@ -27,6 +28,10 @@ def __getattr__(name):
         from .engine.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":  # vLLM's LLM.beam_search parameters
+        from .engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "Engine":
         from .engine.llm_engine import Engine
 

@@ -13,6 +13,7 @@ from ..config import EngineConfig
 from ..model_executor.loader import LoadedModel
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from .beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .llm_engine import Engine
 
 
@@ -55,9 +56,7 @@ class LLM:
         return self.engine.tokenizer
 
     def _add_all(self, prompts, sampling_params, priority) -> list[str]:
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt given bare
-        prompts = [_prompt_of(p) for p in prompts]
+        prompts = _prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(
@@ -127,6 +126,38 @@ class LLM:
         prompts = [chat_token_ids(tokenizer, conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def beam_search(
+        self, prompts, params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """vLLM's: the beam_width best continuations of each prompt, one BeamSearchOutput per prompt
+        in input order, its sequences best first. The beams are rows of the continuous batch that
+        fork and share their blocks (engine/beam_search.py, which also says how beams are ranked).
+
+        prompts: as generate() takes them."""
+        search = BeamSearch(self.engine, params)
+        prompts = _prompt_list(prompts)
+        bar = None
+        try:
+            for i, prompt in enumerate(prompts):
+                try:
+                    search.add(prompt)
+                except ValueError as e:  # all or nothing, as generate()
+                    raise ValueError(f"prompt {i}: {e}") from None
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(prompts), desc="beam search", unit="prompt")
+            while not search.finished:
+                self.engine.step()
+                search.update()
+                if bar is not None:
+                    bar.update(sum(inst.finished for inst in search.instances) - bar.n)
+        finally:
+            if bar is not None:
+                bar.close()
+            search.abort()  # interrupted (e.g. Ctrl-C): no row left holding blocks
+        return [search.output(inst) for inst in search.instances]
+
     def stream(self, prompts, sampling_params=None, priority=None) -> Iterator[RequestOutput]:
         """minicb: yield a RequestOutput each time a request gets a token (`.finished` on its
         last)."""
@@ -142,6 +173,13 @@ class LLM:
         finally:
             for rid in remaining:
                 self.engine.abort_request(rid)
+
+
+def _prompt_list(prompts) -> list:
+    """Prompts as a list of text or token ids: one prompt given bare, or vLLM's prompt dicts."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # one prompt given bare
+    return [_prompt_of(p) for p in prompts]
 
 
 def _prompt_of(prompt):
