@@ -75,7 +75,8 @@ class InputProcessor:
                 f"got {max(params.logit_bias)}"
             )
         check_request(self.config, len(ids), params.max_tokens, priority, params.n)
-        check_structured_outputs(params.structured_outputs, self.tokenizer)
+        so = params.structured_outputs
+        check_structured_outputs(so, self.tokenizer, self.vocab_size, self.eos_token_ids)
         # vLLM's child ids
         sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]
         if any(sid in taken for sid in sample_ids):

@@ -46,17 +46,40 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     return text
 
 
-def check_structured_outputs(so: StructuredOutputsParams | None, tokenizer) -> None:
+def check_structured_outputs(
+    so: StructuredOutputsParams | None, tokenizer, vocab_size: int, eos_token_ids
+) -> None:
     """Refuse, naming the problem, a constraint that cannot run with this tokenizer (before the
     request is queued: a server answers 400)."""
     if so is None:
         return
+    grammar_text(so)
+    ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
+
+
+_LL_TOKENIZERS: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, its llguidance tokenizer)
+
+
+def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids):
+    """The tokenizer as llguidance sees it (each token's bytes, the EOS ids), built once per
+    tokenizer (~1 s for a 49k vocabulary). ValueError if there is none llguidance can read."""
     if tokenizer is None or not getattr(tokenizer, "is_fast", False):
         raise ValueError(
             "structured_outputs needs the model's fast (Hugging Face tokenizers) tokenizer; "
             "this model has none"
         )
-    grammar_text(so)
+    kept = _LL_TOKENIZERS.get(id(tokenizer))
+    if kept is None or kept[0] is not tokenizer:
+        import llguidance.hf  # noqa: PLC0415
+
+        try:
+            built = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
+            )
+        except Exception as e:  # the grammar engine cannot read this tokenizer
+            raise ValueError(f"structured_outputs cannot use this model's tokenizer: {e}") from None
+        kept = _LL_TOKENIZERS[id(tokenizer)] = (tokenizer, built)
+    return kept[1]
 
 
 class RequestGrammar:
@@ -117,8 +140,7 @@ class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_ids = sorted(eos_token_ids)
-        self._ll_tokenizer = None  # built on first use: ~1 s for a 49k vocabulary
+        self.eos_token_ids = eos_token_ids
         self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar text -> a fresh matcher
         self._pool = None
         self.waiting: list[tuple[list[Request], Future]] = []  # requests whose grammar compiles
@@ -183,7 +205,8 @@ class StructuredOutputManager:
         if template is None:
             import llguidance  # noqa: PLC0415
 
-            template = llguidance.LLMatcher(self.ll_tokenizer(), text, log_level=0)
+            tokenizer = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            template = llguidance.LLMatcher(tokenizer, text, log_level=0)
             if template.is_error():
                 raise GrammarError(f"the grammar does not compile: {template.get_error()}")
             self._compiled[text] = template
@@ -192,16 +215,6 @@ class StructuredOutputManager:
         self._compiled.move_to_end(text)
         for sample in samples:  # each sample walks its own copy
             sample.grammar = RequestGrammar(template.deep_copy())
-
-    def ll_tokenizer(self):
-        """The tokenizer as llguidance sees it: each token's bytes, the EOS ids."""
-        if self._ll_tokenizer is None:
-            import llguidance.hf  # noqa: PLC0415
-
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
-        return self._ll_tokenizer
 
     def shutdown(self) -> None:
         if self._pool is not None:
