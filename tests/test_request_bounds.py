@@ -421,7 +421,8 @@ def test_response_format_and_max_tokens_0_do_what_the_schema_says(worded):
     with bounded(worded) as s:
         spec = s.http.get("/openapi.json").json()["components"]["schemas"]
         assert spec["ResponseFormat"]["required"] == ["type"]
-        assert spec["ResponseFormat"]["properties"]["type"]["const"] == "text"
+        kinds = spec["ResponseFormat"]["properties"]["type"]["enum"]
+        assert kinds == ["text", "json_object", "json_schema"]
         chat = {"messages": HI, "max_tokens": 2}
         error = error_of(s.http.post("/v1/chat/completions", json={**chat, "response_format": {}}))
         assert error["param"] == "response_format"

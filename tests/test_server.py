@@ -483,8 +483,8 @@ def test_bad_input_is_refused_and_running_requests_survive(server, chat_server, 
             None,
         ),  # not a chat field: ignored, 200
         (
-            {"messages": hi, "response_format": {"type": "json_object"}},
-            "'response_format' is not supported",
+            {"messages": hi, "response_format": {"type": "json_schema"}},
+            "response_format of type json_schema needs its json_schema",
             "response_format",
         ),
         ({"messages": hi, "tools": [{"type": "function"}]}, "'tools' is not supported", "tools"),

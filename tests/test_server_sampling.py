@@ -497,14 +497,6 @@ def test_prompt_logprobs_in_vllms_format(server, worded):
             {"messages": [{"role": "user", "content": "w5"}], "tools": [{"type": "function"}]},
             "tools",
         ),
-        (
-            "/v1/chat/completions",
-            {
-                "messages": [{"role": "user", "content": "w5"}],
-                "response_format": {"type": "json_object"},
-            },
-            "response_format",
-        ),
     ],
 )
 def test_unsupported_fields_get_a_clear_400_naming_them(server, path, body, param):
@@ -515,7 +507,7 @@ def test_unsupported_fields_get_a_clear_400_naming_them(server, path, body, para
         error
     )
     # all that is left
-    assert sorted(UNSUPPORTED) == ["best_of", "response_format", "suffix", "tools"]
+    assert sorted(UNSUPPORTED) == ["best_of", "suffix", "tools"]
 
 
 @pytest.mark.parametrize("form", ["text", "token ids"])

@@ -112,6 +112,10 @@ def save_byte_tokenizer(path: str | os.PathLike) -> int:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(["<eos>"])
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+    fast.chat_template = (  # plain text turns, so a chat endpoint can serve the tiny model
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     fast.save_pretrained(path)
     return BYTE_VOCAB
 

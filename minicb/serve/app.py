@@ -52,6 +52,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..sampling_params import SamplingParams
+from ..structured_output import GrammarError, grammar_text
 from .engine_core import RemoteEngine
 from .engine_loop import AsyncEngine, QueueFullError, RequestStream
 from .limits import RequestBounds, RequestLimits, max_chars_per_token
@@ -105,9 +106,16 @@ STREAM = {
 
 def to_sampling_params(body: SamplingFields, default_max_tokens: int) -> SamplingParams:
     try:
-        return body.sampling_params(default_max_tokens)
+        params = body.sampling_params(default_max_tokens)
     except ValueError as e:  # SamplingParams names the field: "top_p must be in (0, 1], got 2"
-        raise APIError(400, str(e), str(e).split()[0]) from None
+        raise APIError(400, str(e), str(e).split()[0].split(".")[0]) from None
+    if params.structured_outputs is not None:  # a schema or grammar that does not compile: 400
+        try:
+            grammar_text(params.structured_outputs)
+        except GrammarError as e:
+            field = "structured_outputs" if body.structured_outputs else "response_format"
+            raise APIError(400, str(e), field) from None
+    return params
 
 
 async def wait_for_disconnect(request: Request) -> None:

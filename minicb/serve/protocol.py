@@ -26,6 +26,7 @@ from ..sampling_params import (
     SEED_MAX,
     SEED_MIN,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 INT64_MAX = 2**63 - 1
@@ -48,7 +49,6 @@ UNSUPPORTED = {
     "best_of": "null or the value of n; vLLM V1 dropped it",
     "suffix": "null",
     "tools": "null or []",
-    "response_format": '{"type": "text"}',
 }
 
 
@@ -60,6 +60,32 @@ class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False  # a last chunk with the token counts
     # vLLM's: with include_usage, every chunk carries the counts so far
     continuous_usage_stats: StrictBool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    """OpenAI's response_format.json_schema: a named schema the reply must follow."""
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    description: StrictStr | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")  # OpenAI's key is "schema"
+    strict: StrictBool | None = None  # minicb always follows the schema: strict or not
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's response_format: text, any JSON object, or a JSON schema (structured outputs)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("response_format of type json_schema needs its json_schema")
+            schema = self.json_schema.json_schema
+            return StructuredOutputsParams(json={} if schema is None else schema)
+        return None
 
 
 class SamplingFields(OpenAIModel):
@@ -98,6 +124,9 @@ class SamplingFields(OpenAIModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None  # accepted, unused
+    # OpenAI's (json_object, json_schema) and vLLM's extra field (json, regex, choice, grammar)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
 
     def sampling_fields(self, max_tokens: int) -> dict:
         """The SamplingParams fields both endpoints set the same way."""
@@ -121,7 +150,15 @@ class SamplingFields(OpenAIModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=self.constraint(),
         )
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output's constraint: vLLM's structured_outputs or OpenAI's response_format."""
+        fmt = self.response_format.structured_outputs() if self.response_format else None
+        if fmt is not None and self.structured_outputs is not None:
+            raise ValueError("set response_format or structured_outputs, not both")
+        return fmt or StructuredOutputsParams.of(self.structured_outputs)
 
 
 class CompletionRequest(SamplingFields):
@@ -188,12 +225,6 @@ class ChatMessage(OpenAIModel):
         )
 
 
-class ResponseFormat(OpenAIModel):
-    """OpenAI's response_format; minicb writes text only (no JSON mode, no schema)."""
-
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. Only text content; the model's chat template renders it."""
 
@@ -203,7 +234,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool | None = None  # each generated token's logprob
     top_logprobs: NumLogprobs | None = None  # and this many top alternatives (needs logprobs: true)
     tools: Annotated[list[dict], Field(max_length=0)] | None = None
-    response_format: ResponseFormat | None = None
 
     @property
     def num_top_logprobs(self) -> int | None:
