@@ -8,7 +8,7 @@ trace, sim) imports no torch; `LLM` and `Engine` (the torch side) are imported o
 from .config import EngineConfig
 from .core.request import RequestStatus
 from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -16,6 +16,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "RequestStatus",
