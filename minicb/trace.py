@@ -22,6 +22,7 @@ class RowRecord:
     num_drafts: int = 0
     # and how many of them were kept (the row then yields num_accepted + 1 tokens)
     num_accepted: int = 0
+    constrained: bool = False  # a grammar masks its tokens (structured outputs)
 
 
 @dataclass
@@ -115,6 +116,7 @@ class Trace:
                     s.do_sample,
                     len(s.spec_token_ids),
                     kept,
+                    req.params.structured_outputs is not None,
                 )
             )
             # rejected drafts' blocks are already given back

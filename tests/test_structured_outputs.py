@@ -290,3 +290,21 @@ def test_fifty_constrained_requests_on_the_embedded_model_parse_and_validate():
         assert follows(params.structured_outputs, out.outputs[0].text), out.outputs[0].text
     alone = llm.generate([p for p, _ in frees], [s for _, s in frees])
     assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in outs[-3:]]
+
+
+def test_the_trace_marks_constrained_rows_and_the_slot_view_draws_them(loaded):
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    from minicb import viz  # noqa: PLC0415
+
+    eng = engine(loaded)
+    free = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    so = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=SO(regex=REGEX))
+    free_id, so_id = run(eng, [([1, 2], free), ([3, 4], so)])
+    rows = [r for s in eng.trace.steps for r in s.rows]
+    assert {r.constrained for r in rows if r.request_id == free_id.request_id} == {False}
+    assert {r.constrained for r in rows if r.request_id == so_id.request_id} == {True}
+    fig = viz.slot_occupancy(eng.trace)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "constrained" in labels

@@ -1,7 +1,8 @@
 """Slots over time: which request sat in which batch slot at every step (Orca's iteration-level
 view).
 
-  slot_occupancy           slots x steps, one colour per request; prefill hatched, idle white
+  slot_occupancy           slots x steps, one colour per request; prefill hatched, idle white,
+                           rows a grammar constrains (structured outputs) framed with dots
   compare_slot_occupancy   several runs stacked on one step axis (static vs continuous, fcfs vs sjf)
   utilization_curves       busy slots and free KV blocks per step, one line per run
 
@@ -42,6 +43,18 @@ def slot_occupancy(
     )
     runs = {}  # (slot, request) -> [first, last] step of each unbroken stretch in that slot
     for s, r in visible:
+        if r.constrained:  # structured outputs: a grammar masks this row's tokens
+            ax.add_patch(
+                Rectangle(
+                    (s.step - 0.45, r.slot - 0.45),
+                    0.9,
+                    0.9,
+                    fill=False,
+                    linestyle=":",
+                    edgecolor="black",
+                    linewidth=1.2,
+                )
+            )
         if r.is_prefill:
             ax.add_patch(
                 Rectangle(
@@ -92,6 +105,15 @@ def slot_occupancy(
             Patch(facecolor="lightgray", hatch="///", label="prefill"),
             Patch(facecolor="lightgray", label="decode"),
             Patch(facecolor="white", edgecolor="gray", label="idle"),
+            *(
+                [
+                    Patch(
+                        facecolor="lightgray", edgecolor="black", linestyle=":", label="constrained"
+                    )
+                ]
+                if any(r.constrained for s in trace.steps for r in s.rows)
+                else []
+            ),
         ],
         loc="upper left",
         bbox_to_anchor=(1.01, 1),
