@@ -232,8 +232,31 @@ def test_any_configuration_gives_the_same_beams(models, name):
     assert took_its_path(llm.engine.trace.steps)
     for out, ref in zip(got, expected):
         assert [s.tokens for s in out.sequences] == [s.tokens for s in ref.sequences]
+        # A beam that comes back as a request recomputes its prefix as a prefill chunk, not as
+        # decodes: minicb keeps transformers' float32 RMSNorm and RoPE angles in a float64 model,
+        # so another path moves a log-probability by up to ~1e-8 (1.8e-8 measured).
         cums = [s.cum_logprob for s in ref.sequences]
-        assert [s.cum_logprob for s in out.sequences] == pytest.approx(cums, abs=1e-9)
+        assert [s.cum_logprob for s in out.sequences] == pytest.approx(cums, abs=1e-6)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core, not beam search (n > 1 samples share the path): a row that copies its shared "
+    "block on write and is then swapped out in the same step is swapped out from the copy's "
+    "target before the copy is made (ModelRunner.execute swaps out first), so its cache comes back "
+    "stale. Fix in BlockManager.swap_out: swap out the pending copy's source instead, and cancel "
+    "the copy (free() likewise cancels copies into the blocks it frees)",
+)
+def test_a_row_swapped_out_in_the_step_of_its_copy_on_write_keeps_its_cache(models):
+    loaded, _ = models
+    params = BeamSearchParams(2, 8, ignore_eos=True)
+    expected = make(loaded).beam_search([[100]], params)
+    config = dict(block_size=8, num_blocks=3, max_num_batched_tokens=3, preemption_mode="swap")
+    llm = make(loaded, batching="static", **config)
+    for prompt in ([77, 122, 79, 71, 103, 16, 114, 38, 19, 5], [6, 89, 76, 63, 8]):
+        llm.engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    got = llm.beam_search([[100]], params)
+    assert [s.tokens for s in got[0].sequences] == [s.tokens for s in expected[0].sequences]
 
 
 def test_beside_ordinary_requests_changes_nobody(models):
