@@ -12,6 +12,7 @@ batching) gives the same beams, and requests beside them the same tokens.
 
 import pytest
 import torch
+from reference import add_word_tokenizer
 
 from minicb import LLM, BeamSearchParams, SamplingParams
 from minicb.engine.beam_search import BeamSearch, get_beam_search_score
@@ -288,6 +289,22 @@ def test_beside_ordinary_requests_changes_nobody(models):
         assert [s.tokens for s in search.output(inst).sequences] == [
             s.tokens for s in ref.sequences
         ]
+
+
+def test_text_prompts_and_text_as_vllm(tmp_path, models):
+    """Prompts as text or vLLM's dicts; each sequence's text is all its tokens decoded, the
+    prompt's included, as vLLM's."""
+    path = add_word_tokenizer(save_tiny_model(tmp_path, seed=3))
+    llm = make(load_model(path, dtype=torch.float64))
+    tokenizer = llm.get_tokenizer()
+    params = BeamSearchParams(2, 4, ignore_eos=True)
+    outs = llm.beam_search(["w10 w11 w12", {"prompt_token_ids": [20, 21]}], params)
+    by_ids = llm.beam_search([[10, 11, 12]], params)[0]
+    assert [s.tokens for s in outs[0].sequences] == [s.tokens for s in by_ids.sequences]
+    for out in outs:
+        for seq in out.sequences:
+            assert seq.text == tokenizer.decode(seq.tokens, skip_special_tokens=True)
+    assert outs[0].sequences[0].text.startswith("w10 w11 w12 ")
 
 
 def test_sampled_candidates_and_abort(models):

@@ -12,7 +12,7 @@ the best beam_width survive. Here every beam is a row of the engine's batch, bes
     cache yet, so the child's takes its place. A beam with k children forks k - 1 rows that share
     its blocks by reference count (BlockManager.fork); the partly filled last block is copied on the
     first write (copy_on_write). A beam with no child is aborted at once: the blocks it alone held
-    are free before the next step is scheduled;
+    are free before the next step is scheduled (the trace lists it among that step's finished);
   - a round waits for all of a prompt's beams. If one was held back (preempted, or out of token
     budget), those that already sampled leave the batch, so that none runs ahead, and their children
     come back as waiting requests that find their full blocks in the prefix cache.
@@ -88,7 +88,7 @@ class BeamSearchSequence:
     tokens: list[int]  # the prompt's tokens, then the generated ones (as vLLM's)
     logprobs: list[dict[int, Logprob]]  # per generated token: the candidates its beam ranked
     cum_logprob: float = 0.0  # the generated tokens' log-probabilities, summed
-    text: str | None = None  # all of `tokens` decoded (as vLLM's), when the model has a tokenizer
+    text: str | None = None  # `tokens` decoded, prompt included (as vLLM's), given a tokenizer
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens) or "abort"
     stop_reason: int | None = None  # the EOS token that ended it
 
@@ -223,7 +223,8 @@ class BeamSearch:
         best = sorted(inst.completed, key=self._score, reverse=True)[: self.params.beam_width]
         tokenizer = self.engine.tokenizer
         for seq in best:
-            seq.text = None if tokenizer is None else tokenizer.decode(seq.tokens)
+            if tokenizer is not None:  # the prompt's text too, as vLLM's; special tokens skipped
+                seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
         return BeamSearchOutput(best)
 
     def abort(self, inst: BeamSearchInstance | None = None) -> None:
