@@ -240,14 +240,9 @@ def test_any_configuration_gives_the_same_beams(models, name):
         assert [s.cum_logprob for s in out.sequences] == pytest.approx(cums, abs=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core, not beam search (n > 1 samples share the path): a row that copies its shared "
-    "block on write and is then swapped out in the same step is swapped out from the copy's "
-    "target before the copy is made (ModelRunner.execute swaps out first), so its cache comes back "
-    "stale. Fix in BlockManager.swap_out: swap out the pending copy's source instead, and cancel "
-    "the copy (free() likewise cancels copies into the blocks it frees)",
-)
+# A row that copied its shared block on write and was then swapped out in the same step used to be
+# swapped out from the copy's target before the copy was made (ModelRunner.execute swaps out first):
+# BlockManager.swap_out now swaps out the pending copy's source and cancels the copy.
 def test_a_row_swapped_out_in_the_step_of_its_copy_on_write_keeps_its_cache(models):
     loaded, _ = models
     params = BeamSearchParams(2, 8, ignore_eos=True)

@@ -224,6 +224,28 @@ def test_swap_out_and_in_bookkeeping():
     bm.check_invariants()
 
 
+def test_a_block_copied_on_write_and_swapped_out_in_one_step_leaves_from_its_source():
+    """The runner swaps out before it copies: a copy-on-write decided in the same step has not run
+    yet, so swap_out sends the copy's source to the CPU and cancels the copy; free() cancels copies
+    into the blocks it gives back."""
+    bm = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=4)
+    a = make_req("a", range(6))
+    bm.allocate(a, 6)
+    computed(bm, a, 6)
+    bm.fork("a", "b")  # b shares a's full block and its partial one
+    bm.fork("a", "c")
+    shared = bm.block_tables["b"][1]
+    bm.copy_on_write("b", 1)  # b will write its next token: a private copy of the partial block
+    bm.copy_on_write("c", 1)
+    copy_b, copy_c = bm.block_tables["b"][1], bm.block_tables["c"][1]
+    assert bm.pending_copies == [(shared, copy_b), (shared, copy_c)]
+    copies = bm.swap_out("b")
+    assert copies[1][0] == shared and bm.pending_copies == [(shared, copy_c)]
+    bm.free("c")
+    assert bm.take_copies() == []
+    bm.check_invariants()
+
+
 def test_swap_out_needs_cpu_room_and_free_drops_cpu_blocks():
     bm = BlockManager(num_blocks=8, block_size=2, num_cpu_blocks=2)
     big, small = make_req("big", range(5)), make_req("small", range(10, 13))

@@ -246,7 +246,9 @@ class BlockManager:
 
     def free(self, rid: str) -> None:
         """Drop everything a request holds: device blocks (hashes kept) and swapped CPU blocks."""
-        self._release(self.block_tables.pop(rid, ()))
+        table = self.block_tables.pop(rid, [])
+        self._drop_copies_into(table)  # a copy into a block given back is not needed
+        self._release(table)
         self.num_hashed.pop(rid, None)
         self.cpu_free.extend(self.cpu_block_tables.pop(rid, ()))
 
@@ -272,10 +274,19 @@ class BlockManager:
             )
         table = self.block_tables.pop(rid)
         self.num_hashed.pop(rid, None)
+        # A copy-on-write decided this step has not run yet (the runner swaps out first): such a
+        # block is swapped out from its source, and the copy is dropped.
+        source = self._drop_copies_into(table)
         cpu_table = [self.cpu_free.pop() for _ in table]
         self.cpu_block_tables[rid] = cpu_table
         self._release(table)  # back to the free queue, hashes kept
-        return list(zip(table, cpu_table))
+        return [(source.get(block, block), cpu) for block, cpu in zip(table, cpu_table)]
+
+    def _drop_copies_into(self, table: list[int]) -> dict[int, int]:
+        """Forget the pending copies into these blocks; returns {target: source}."""
+        source = {dst: src for src, dst in self.pending_copies if dst in table}
+        self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in source]
+        return source
 
     def can_swap_in(self, rid: str, num_tokens: int) -> bool:
         return max(len(self.cpu_block_tables[rid]), self.blocks_for(num_tokens)) <= len(
