@@ -216,3 +216,13 @@ def test_abort_inside_stream_ends_the_stream(llm):
 def test_priorities_must_match_prompts(llm):
     with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
         llm.generate([[5, 6, 7], [8, 9, 10]], GREEDY, priority=[1], use_tqdm=False)
+
+
+def test_generate_waits_for_its_own_requests_only(llm):
+    """Outputs of requests added beside generate (here two aborted ones, reported again in the next
+    step) neither count toward its results nor replace them."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for prompt in ([5, 6], [7, 8]):
+        llm.engine.abort_request(llm.engine.add_request(prompt, params))
+    (out,) = llm.generate([[9, 10, 11]], params, use_tqdm=False)
+    assert out.finished and len(out.outputs[0].token_ids) == 3

@@ -99,10 +99,11 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         t0, num_tokens = time.perf_counter(), 0
         try:
+            wanted = set(ids)  # an output of a request added elsewhere (or aborted) is not ours
             while len(results) < len(ids):
                 for out in self.engine.step():
                     num_tokens += 1
-                    if out.finished:
+                    if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
