@@ -29,7 +29,7 @@ PACKAGE = ROOT / "minicb"
 # same text, wrapped at 100 characters and counted in reader lines, is about 2315.
 # 2450 since 2026-11-27: the scheduler's time budget and seat passing (issue 37) added ~50.
 # 2460 since 2026-11-27: structured outputs (issue 33) added 28 to one step in vLLM V1's own places:
-# a request's grammar and its WAITING_FOR_FSM state, the engine holding it until its grammar is
+# a request's grammar and its waiting state, the engine holding it until its grammar is
 # compiled and advancing it after sampling, the mask before sampling (the rest sits in
 # structured_output/, outside one step). 2470: swap_out of a block copied on write in the same step
 # (a bug that beam search's fuzzing found) swaps out the copy's source and cancels the copy (+9).

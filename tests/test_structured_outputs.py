@@ -160,8 +160,9 @@ def test_a_constraint_that_does_not_compile_is_refused_before_anything_changes(l
 
 
 def test_a_request_waits_for_its_grammar_without_a_slot_and_can_be_aborted(loaded, monkeypatch):
-    """vLLM's WAITING_FOR_FSM: while its grammar compiles (held here by an event), the request is
-    not in the scheduler, holds no block, and a free request runs meanwhile."""
+    """vLLM V1's WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR: while its grammar compiles (held here by an
+    event), the request is not in the scheduler, holds no block, and a free request runs
+    meanwhile."""
     release = threading.Event()
     compile_grammar = StructuredOutputManager._compile
 
@@ -178,7 +179,8 @@ def test_a_request_waits_for_its_grammar_without_a_slot_and_can_be_aborted(loade
     for _ in range(3):
         eng.step()
     held = eng.output_processor.samples[waiting][0]
-    assert held.status == RequestStatus.WAITING_FOR_FSM and held.grammar is None
+    assert held.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    assert held.grammar is None
     assert (
         waiting not in eng.scheduler.requests
         and waiting not in eng.scheduler.block_manager.block_tables

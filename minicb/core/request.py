@@ -15,8 +15,9 @@ from ..sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued (new, or preempted by recompute)
-    # its grammar (structured outputs) is being compiled: held by the engine, not yet queued
-    WAITING_FOR_FSM = "waiting_for_fsm"
+    # its grammar (structured outputs) is being compiled: held by the engine, not yet queued (vLLM
+    # V1's name; WAITING_FOR_FSM in its earlier versions)
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = "waiting_for_structured_output_grammar"
     RUNNING = "running"  # holds a slot and KV blocks on the device
     SWAPPED = "swapped"  # preempted by swap: its KV blocks sit in CPU memory
     FINISHED_STOPPED = "stop"  # produced EOS or a stop token

@@ -6,8 +6,8 @@ How one constrained request rides in a batch of hundreds (vLLM V1's v1/structure
    becomes a grammar, and the grammar a matcher: a parser that knows, after any prefix of tokens,
    which tokens may come next. Compiling takes from microseconds to seconds, so it runs in a worker
    thread; until it is done the request waits outside the scheduler, holding no slot and no block
-   (vLLM's WAITING_FOR_FSM). Compiled grammars are cached: the next request with the same schema
-   starts from a copy.
+   (vLLM V1's WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR). Compiled grammars are cached: the next request
+   with the same schema starts from a copy.
 2. **Mask, before sampling.** Every step, each constrained row of the batch gets a bitmask over the
    vocabulary (one bit per token: 49,152 bits, 6 KiB, for SmolLM2), computed on the CPU by its
    matcher; the sampler sets the logits of forbidden tokens to -inf and then samples as usual, so

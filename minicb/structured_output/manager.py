@@ -134,8 +134,9 @@ def apply_grammars(logits: torch.Tensor, seqs: list[Request]) -> torch.Tensor:
 
 class StructuredOutputManager:
     """Compiles each constrained request's grammar in a worker thread, holds the request until it is
-    ready (vLLM V1's WAITING_FOR_FSM: no slot, no block), hands every sample a matcher of its own,
-    and advances the matchers with the tokens sampled (vLLM V1's StructuredOutputManager)."""
+    ready (vLLM V1's WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR: no slot, no block), hands every sample a
+    matcher of its own, and advances the matchers with the tokens sampled (vLLM V1's
+    StructuredOutputManager)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         self.tokenizer = tokenizer
@@ -151,7 +152,7 @@ class StructuredOutputManager:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minicb-grammar")
         for sample in samples:
-            sample.status = RequestStatus.WAITING_FOR_FSM
+            sample.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
         self.waiting.append((samples, self._pool.submit(self._compile, samples)))
 
     def queue_ready(self, scheduler) -> None:
