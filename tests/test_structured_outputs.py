@@ -115,7 +115,9 @@ def test_every_constrained_output_follows_its_constraint_and_free_rows_are_uncha
             max_tokens=60, temperature=temperature, seed=i, structured_outputs=so
         )
         requests.append(([60 + i, 61, 62, 63], params))
-    outs = run(engine(loaded), requests)
+    eng = engine(loaded)
+    outs = run(eng, requests)
+    assert len(eng.structured._compiled) == 3  # each constraint compiled once, then copied
     for (_, params), out in zip(requests[2:], outs[2:]):
         text = out.outputs[0].text
         assert out.outputs[0].finish_reason == "stop", (params.structured_outputs, text)
