@@ -312,3 +312,20 @@ def test_the_trace_marks_constrained_rows_and_the_slot_view_draws_them(loaded):
     fig = viz.slot_occupancy(eng.trace)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert "constrained" in labels
+
+
+def test_the_tokenizer_is_read_once_in_the_background_and_a_refusal_is_kept(loaded, tmp_path):
+    from reference import add_word_tokenizer  # noqa: PLC0415
+
+    from minicb.structured_output import check_structured_outputs, warm_ll_tokenizer  # noqa: PLC0415
+    from minicb.structured_output.manager import _LL_TOKENIZERS  # noqa: PLC0415
+
+    warm_ll_tokenizer(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids).join(timeout=60)
+    built = _LL_TOKENIZERS[id(loaded.tokenizer)][1]
+    check_structured_outputs(SO(regex=REGEX), loaded.tokenizer, 264, loaded.eos_token_ids)
+    assert _LL_TOKENIZERS[id(loaded.tokenizer)][1] is built  # not built again
+    worded = load_model(add_word_tokenizer(save_tiny_model(tmp_path, seed=1)), torch.float64)
+    warm_ll_tokenizer(worded.tokenizer, worded.vocab_size, worded.eos_token_ids).join(timeout=60)
+    for _ in range(2):  # llguidance cannot read a WordPiece decoder: refused, from the kept reason
+        with pytest.raises(ValueError, match="cannot use this model's tokenizer"):
+            check_structured_outputs(SO(regex="a"), worded.tokenizer, 128, worded.eos_token_ids)

@@ -26,6 +26,7 @@ from ..core.request import Request, RequestStatus
 from ..engine.input_processor import InputProcessor
 from ..engine.output_processor import OutputProcessor
 from ..outputs import RequestOutput
+from ..structured_output import warm_ll_tokenizer
 from .metrics import server_stats
 
 # step() waits this long for the core's next message, then lets the loop read its inbox
@@ -71,6 +72,9 @@ class RemoteEngine:
         self.input_processor = InputProcessor(
             self.config, self.tokenizer, info["vocab_size"], info["eos_token_ids"], self.model_name
         )
+        # structured outputs: the check of a request's constraint needs llguidance's view of the
+        # tokenizer (~1 s to build): built now, off the engine loop's thread
+        warm_ll_tokenizer(self.tokenizer, info["vocab_size"], info["eos_token_ids"])
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats, self.last_step_rows, self.last_step_preempted = info["stats"], 0, 0
         self.stepped = False  # did the last step() see a step of the core?

@@ -32,6 +32,7 @@ from .manager import (
     apply_grammars,
     check_structured_outputs,
     grammar_text,
+    warm_ll_tokenizer,
 )
 
 __all__ = [
@@ -43,4 +44,5 @@ __all__ = [
     "bitmask_words",
     "check_structured_outputs",
     "grammar_text",
+    "warm_ll_tokenizer",
 ]

@@ -2,6 +2,7 @@
 carries (see __init__.py for where they sit in a step)."""
 
 import json
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -57,7 +58,9 @@ def check_structured_outputs(
     ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
 
 
-_LL_TOKENIZERS: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, its llguidance tokenizer)
+# id(tokenizer) -> (tokenizer, its llguidance tokenizer or None, why llguidance cannot read it)
+_LL_TOKENIZERS: dict[int, tuple] = {}
+_LL_LOCK = threading.Lock()  # one build per tokenizer, however many threads ask at once
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids):
@@ -68,18 +71,45 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids):
             "structured_outputs needs the model's fast (Hugging Face tokenizers) tokenizer; "
             "this model has none"
         )
-    kept = _LL_TOKENIZERS.get(id(tokenizer))
-    if kept is None or kept[0] is not tokenizer:
-        import llguidance.hf  # noqa: PLC0415
+    with _LL_LOCK:
+        kept = _LL_TOKENIZERS.get(id(tokenizer))
+        if kept is None or kept[0] is not tokenizer:
+            import llguidance.hf  # noqa: PLC0415
 
-        try:
-            built = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
-            )
-        except Exception as e:  # the grammar engine cannot read this tokenizer
-            raise ValueError(f"structured_outputs cannot use this model's tokenizer: {e}") from None
-        kept = _LL_TOKENIZERS[id(tokenizer)] = (tokenizer, built)
+            try:
+                built = llguidance.hf.from_tokenizer(
+                    tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
+                )
+                kept = (tokenizer, built, None)
+            except Exception as e:  # the grammar engine cannot read this tokenizer
+                kept = (
+                    tokenizer,
+                    None,
+                    f"structured_outputs cannot use this model's tokenizer: {e}",
+                )
+            _LL_TOKENIZERS[id(tokenizer)] = kept
+    if kept[2] is not None:
+        raise ValueError(kept[2])
     return kept[1]
+
+
+def warm_ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> threading.Thread | None:
+    """Build llguidance's view of the tokenizer in a background thread, so that the first
+    constrained request does not (a server calls it as it starts: its requests are checked on the
+    engine loop's thread)."""
+    if getattr(tokenizer, "is_fast", False):
+        args = (tokenizer, vocab_size, eos_token_ids)
+        thread = threading.Thread(target=_quietly, args=args, daemon=True, name="minicb-llg")
+        thread.start()
+        return thread
+    return None
+
+
+def _quietly(*args) -> None:
+    try:
+        ll_tokenizer(*args)
+    except ValueError:  # kept: the first constrained request gets it as a 400
+        pass
 
 
 class RequestGrammar:
