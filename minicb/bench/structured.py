@@ -29,11 +29,6 @@ SCHEMA = {
 DOCUMENT = '{"name": "Ada Lovelace", "age": 36, "tags": ["mathematics", "engines", "poetry"]}'
 
 
-class Row:  # what the manager and apply_grammars need of a request
-    def __init__(self, params):
-        self.params, self.grammar = params, None
-
-
 def main(argv=None) -> None:
     from ..config import EngineConfig  # noqa: PLC0415
     from ..engine.llm_engine import Engine  # noqa: PLC0415
@@ -59,8 +54,8 @@ def main(argv=None) -> None:
     )
     print(f"{'rows':>5} {'fill ms/step':>13} {'apply ms/step':>14} {'mask / 1-row step':>19}")
     for n in (int(x) for x in args.rows.split(",")):
-        rows = [Row(params) for _ in range(n)]
-        manager._compile(rows)  # the first compiles, the rest copy the cached matcher
+        # the first compiles, the rest copy the cached matcher
+        rows = [manager.new_grammar(params.structured_outputs) for _ in range(n)]
         bitmask = torch.empty(n, bitmask_words(vocab), dtype=torch.int32)
         logits = torch.randn(n, vocab)
         fill = apply = 0.0
@@ -68,11 +63,11 @@ def main(argv=None) -> None:
             at = step % (len(doc) - 1)  # every row walks the document: mid-object masks
             for r in rows:
                 if at == 0:
-                    r.grammar.matcher.reset()
-                r.grammar.accept(doc[at])
+                    r.matcher.reset()
+                r.accept(doc[at])
             t0 = time.perf_counter()
             for i, r in enumerate(rows):
-                r.grammar.fill_bitmask(bitmask, i)
+                r.fill_bitmask(bitmask, i)
             t1 = time.perf_counter()
             apply_token_bitmask(logits, bitmask, list(range(n)))
             t2 = time.perf_counter()

@@ -231,7 +231,15 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ compiling
     def _compile(self, samples: list[Request]) -> None:
-        text = grammar_text(samples[0].params.structured_outputs)
+        grammar = self.new_grammar(samples[0].params.structured_outputs)
+        samples[0].grammar = grammar
+        for sample in samples[1:]:  # each sample walks its own copy
+            sample.grammar = RequestGrammar(grammar.matcher.deep_copy())
+
+    def new_grammar(self, so: StructuredOutputsParams) -> RequestGrammar:
+        """A fresh matcher for a constraint, compiled here and now (a copy of the cached one when
+        the same grammar was compiled before). Raises GrammarError if it does not compile."""
+        text = grammar_text(so)
         template = self._compiled.get(text)
         if template is None:
             import llguidance  # noqa: PLC0415
@@ -244,8 +252,7 @@ class StructuredOutputManager:
             if len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(text)
-        for sample in samples:  # each sample walks its own copy
-            sample.grammar = RequestGrammar(template.deep_copy())
+        return RequestGrammar(template.deep_copy())
 
     def shutdown(self) -> None:
         if self._pool is not None:
