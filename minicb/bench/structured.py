@@ -32,11 +32,7 @@ DOCUMENT = '{"name": "Ada Lovelace", "age": 36, "tags": ["mathematics", "engines
 def main(argv=None) -> None:
     from ..config import EngineConfig  # noqa: PLC0415
     from ..engine.llm_engine import Engine  # noqa: PLC0415
-    from ..structured_output import (  # noqa: PLC0415
-        StructuredOutputManager,
-        apply_token_bitmask,
-        bitmask_words,
-    )
+    from ..structured_output import StructuredOutputManager  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,16,64")
@@ -44,7 +40,6 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     engine = Engine(EngineConfig(max_model_len=512, max_num_seqs=8))
     tok, vocab = engine.tokenizer, engine.vocab_size
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
     manager = StructuredOutputManager(tok, vocab, engine.eos_token_ids)
     doc = tok.encode(DOCUMENT, add_special_tokens=False)
     decode = measure_decode(engine)
@@ -53,27 +48,36 @@ def main(argv=None) -> None:
         f"vocabulary {vocab}; a decode step of 1 row: {decode * 1e3:.1f} ms"
     )
     print(f"{'rows':>5} {'fill ms/step':>13} {'apply ms/step':>14} {'mask / 1-row step':>19}")
+    so = StructuredOutputsParams(json=SCHEMA)
     for n in (int(x) for x in args.rows.split(",")):
-        # the first compiles, the rest copy the cached matcher
-        rows = [manager.new_grammar(params.structured_outputs) for _ in range(n)]
-        bitmask = torch.empty(n, bitmask_words(vocab), dtype=torch.int32)
-        logits = torch.randn(n, vocab)
-        fill = apply = 0.0
-        for step in range(args.steps):
-            at = step % (len(doc) - 1)  # every row walks the document: mid-object masks
-            for r in rows:
-                if at == 0:
-                    r.matcher.reset()
-                r.accept(doc[at])
-            t0 = time.perf_counter()
-            for i, r in enumerate(rows):
-                r.fill_bitmask(bitmask, i)
-            t1 = time.perf_counter()
-            apply_token_bitmask(logits, bitmask, list(range(n)))
-            t2 = time.perf_counter()
-            fill, apply = fill + t1 - t0, apply + t2 - t1
-        fill, apply = fill / args.steps, apply / args.steps
+        fill, apply = mask_cost(manager, so, doc, n, args.steps)
         print(f"{n:>5} {fill * 1e3:>13.3f} {apply * 1e3:>14.3f} {(fill + apply) / decode:>18.1%}")
+
+
+def mask_cost(manager, so, document: list[int], rows: int, steps: int) -> tuple[float, float]:
+    """(seconds to fill `rows` mask rows, seconds to apply them to a step's logits), per step:
+    every row's matcher walks `document` (a text that follows `so`), so that the masks are those of
+    a decode in the middle of it, not of its first token."""
+    from ..structured_output import apply_token_bitmask, bitmask_words  # noqa: PLC0415
+
+    grammars = [manager.new_grammar(so) for _ in range(rows)]  # one compile, then copies
+    bitmask = torch.empty(rows, bitmask_words(manager.vocab_size), dtype=torch.int32)
+    logits = torch.randn(rows, manager.vocab_size)
+    fill = apply = 0.0
+    for step in range(steps):
+        at = step % (len(document) - 1)
+        for g in grammars:
+            if at == 0:
+                g.matcher.reset()
+            g.accept(document[at])
+        t0 = time.perf_counter()
+        for i, g in enumerate(grammars):
+            g.fill_bitmask(bitmask, i)
+        t1 = time.perf_counter()
+        apply_token_bitmask(logits, bitmask, list(range(rows)))
+        t2 = time.perf_counter()
+        fill, apply = fill + t1 - t0, apply + t2 - t1
+    return fill / steps, apply / steps
 
 
 def measure_decode(engine) -> float:
