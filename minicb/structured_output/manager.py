@@ -14,15 +14,36 @@ from ..structured_outputs_params import StructuredOutputsParams
 from .bitmask import apply_token_bitmask, bitmask_words
 
 CACHED_GRAMMARS = 64  # compiled grammars kept, least recently used dropped first
+_LL_LOCK = threading.Lock()  # one build per tokenizer, and the caches below
 
 
 class GrammarError(ValueError):
     """A constraint the grammar engine cannot compile (the server answers 400)."""
 
 
+_CHECKED: OrderedDict[str, str] = OrderedDict()  # a constraint's canonical form -> its grammar
+
+
 def grammar_text(so: StructuredOutputsParams) -> str:
     """The constraint as an llguidance grammar (text). Raises GrammarError if it does not
-    compile."""
+    compile. A constraint checked before (a server checks it for the 400, then again when it makes
+    the request) is not checked again."""
+    key = json.dumps(
+        [so.kind, getattr(so, so.kind), so.disable_any_whitespace], sort_keys=True, default=repr
+    )
+    with _LL_LOCK:
+        if key in _CHECKED:
+            _CHECKED.move_to_end(key)
+            return _CHECKED[key]
+    text = _compile_text(so)
+    with _LL_LOCK:
+        _CHECKED[key] = text
+        if len(_CHECKED) > CACHED_GRAMMARS:
+            _CHECKED.popitem(last=False)
+    return text
+
+
+def _compile_text(so: StructuredOutputsParams) -> str:
     import llguidance  # noqa: PLC0415 (only a constrained request needs it)
 
     matcher = llguidance.LLMatcher
@@ -60,7 +81,6 @@ def check_structured_outputs(
 
 # id(tokenizer) -> (tokenizer, its llguidance tokenizer or None, why llguidance cannot read it)
 _LL_TOKENIZERS: dict[int, tuple] = {}
-_LL_LOCK = threading.Lock()  # one build per tokenizer, however many threads ask at once
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids):
