@@ -100,6 +100,10 @@ class EngineConfig:
     # "prompt_lookup_max": n, "prompt_lookup_min": m}. None: off (it pays where outputs copy their
     # context; spec_decode.py)
     speculative_config: object = None
+    # Async scheduling (vLLM V1's name and default-off switch): schedule step N+1 and launch it
+    # before step N's sampled tokens reach the host; N+1 feeds them from N's sampled tokens, and
+    # N's outputs are processed while N+1 runs (engine/async_step.py). Off: one step at a time
+    async_scheduling: bool = False
     seed: int = 0  # generator for sampled requests that carry no seed of their own
     record_trace: bool = True  # keep one StepRecord per step (notebooks); servers may turn it off
 
@@ -181,6 +185,18 @@ class EngineConfig:
             )
         if self.enforce_eager:
             object.__setattr__(self, "use_cuda_graph", False)  # the alias, resolved once
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling must be True or False, got {self.async_scheduling!r}"
+            )
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError(
+                "async_scheduling=True does not work with speculative_config (method "
+                f"{self.speculative_config.method!r}): prompt lookup proposes drafts on the host "
+                "from a request's newest tokens, which async scheduling has not brought back when "
+                "it schedules the next step. vLLM V1 refuses the same pair for its CPU ngram "
+                "proposer (its EAGLE, MTP and ngram_gpu drafters propose on the GPU). Turn one off"
+            )
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError(
                 "calculate_kv_scales needs an fp8 KV cache, but kv_cache_dtype is "

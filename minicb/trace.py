@@ -25,6 +25,37 @@ class RowRecord:
     constrained: bool = False  # a grammar masks its tokens (structured outputs)
 
 
+@dataclass(slots=True)
+class StepTimes:
+    """When the parts of one step ran, in time.perf_counter() seconds (the real engine only). A step
+    is host work before the launch (schedule, input lists), device work (the forward pass, then
+    sampling) and host work after (update, detokenization, stop strings, outputs). Synchronous steps
+    run them one after another; with async scheduling the next step's host work runs during this
+    step's device work, and its sampling waits until this step's outputs are processed."""
+
+    schedule_start: float = 0.0
+    launch: float = 0.0  # the inputs are built and handed to the device (its worker thread)
+    device_start: float = 0.0  # the forward pass begins (async: once the step before is done)
+    forward_end: float = 0.0  # the logits are ready
+    sample_start: float = 0.0  # sampling begins (async: after the step before was processed)
+    device_end: float = 0.0  # the sampled tokens are on the host
+    outputs_start: float = 0.0  # update() and output processing begin
+    outputs_end: float = 0.0
+    detokenize_s: float = 0.0  # of outputs: text, stop strings and logprobs per token
+
+    @property
+    def host_before_s(self) -> float:
+        return self.launch - self.schedule_start
+
+    @property
+    def device_s(self) -> float:
+        return self.device_end - self.device_start
+
+    @property
+    def host_after_s(self) -> float:
+        return self.outputs_end - self.outputs_start
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -45,6 +76,10 @@ class StepRecord:
     graph_bucket: int | None = None  # batch bucket of the CUDA graph that ran; None when eager
     graph_width: int | None = None  # and the block-table columns it read (its width bucket)
     duration: float | None = None  # wall-clock seconds of the step (real engine only)
+    # when its host and device parts ran (real engine only). With async scheduling a record is
+    # written when the step's outputs are processed, after the next step was scheduled: the counts
+    # above (free blocks, waiting, running) are read then; its rows' block tables are the step's own
+    times: StepTimes | None = None
 
     @property
     def num_decode_rows(self) -> int:
@@ -98,9 +133,13 @@ class Trace:
         duration: float | None = None,
         graph_width: int | None = None,
         accepted_drafts: dict | None = None,
+        times: StepTimes | None = None,
+        row_tables: dict | None = None,
     ) -> StepRecord:
         """Append the record of step `out.step`; call it after `scheduler.update`.
-        `accepted_drafts`: {request id: drafts kept} from speculative decoding."""
+        `accepted_drafts`: {request id: drafts kept} from speculative decoding. `row_tables`:
+        {request id: block table} of the rows as they were scheduled (async scheduling: the live
+        tables have moved on since)."""
         bm = scheduler.block_manager
         rows, tables, frag = [], {}, 0
         for s in out.scheduled:
@@ -120,8 +159,9 @@ class Trace:
                 )
             )
             # rejected drafts' blocks are already given back
-            tables[req.request_id] = tuple(s.block_table)
-            frag += len(s.block_table) * bm.block_size - (
+            table = s.block_table if row_tables is None else row_tables[req.request_id]
+            tables[req.request_id] = tuple(table)
+            frag += len(table) * bm.block_size - (
                 s.start + s.num_tokens - len(s.spec_token_ids) + kept
             )
         for req in scheduler.running:  # running but given no tokens this step
@@ -146,6 +186,7 @@ class Trace:
             graph_bucket=graph_bucket,
             duration=duration,
             graph_width=graph_width,
+            times=times,
         )
         self.steps.append(rec)
         if self.max_steps is not None and len(self.steps) > self.max_steps:

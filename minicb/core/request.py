@@ -54,6 +54,13 @@ class Request:
         self.arrival_index = arrival_index  # order of arrival: FIFO key and tie-breaker
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache (0 again after recompute)
+        # Async scheduling (vLLM V1's name): tokens sampled by a step still in flight, not yet in
+        # token_ids. The scheduler counts them as if they were there; the model runner feeds them
+        # from that step's sampled tokens. Always 0 with synchronous steps.
+        self.num_output_placeholders = 0
+        # Async scheduling: its row in flight verifies drafts or forks its n samples, so its length
+        # or its sequences are unknown until that step's tokens land; it sits out the next step.
+        self.waits_for_step = False
         # drafts its next decode verifies (spec_decode.py; vLLM's name)
         self.spec_token_ids: list[int] = []
         # tokens the last step that touched it appended: 1, or more with accepted drafts
@@ -98,6 +105,11 @@ class Request:
     def num_seqs(self) -> int:
         """Batch rows (slots) it needs: n until its samples have forked, then 1 each."""
         return 1 + len(self.forks)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Its tokens, counting those in flight (async scheduling): what the scheduler feeds."""
+        return len(self.token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

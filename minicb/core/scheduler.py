@@ -115,9 +115,12 @@ class Scheduler:
             bisect.insort(self.waiting, req, key=self.policy_key)
             out.preempted.append(req.request_id)
 
-    def _lowest_ranked_running(self) -> Request:
-        """The running request the policy would serve last; among equals, the latest admitted."""
-        return max(reversed(self.running), key=self.policy_key)
+    def _lowest_ranked_running(self) -> Request | None:
+        """The running request the policy would serve last; among equals, the latest admitted. Not
+        one waiting for its step in flight (async scheduling: its drafts or forks must land on a
+        running request; a request being scheduled is always a candidate). None: no candidate."""
+        candidates = [r for r in reversed(self.running) if not r.waits_for_step]
+        return max(candidates, key=self.policy_key, default=None)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """A waiting request that outranks a running one and cannot get in takes its place. Runs
@@ -126,7 +129,8 @@ class Scheduler:
         while self.waiting and self.running:
             best = self.waiting[0]
             victim = self._lowest_ranked_running()
-            if best.priority >= victim.priority:  # a lower value outranks; equals never preempt
+            # a lower value outranks; equals never preempt
+            if victim is None or best.priority >= victim.priority:
                 return
             hits, computed, num_new = self._admission(best, self.config.max_num_batched_tokens)
             fits = self._has_seats(best) and self.block_manager.can_allocate(
@@ -139,7 +143,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def _num_new_tokens(self, req: Request, computed: int, budget: int) -> int:
         """Tokens to give `req` this step (0: it must wait for a larger budget)."""
-        remaining = req.num_tokens - computed
+        remaining = req.num_tokens_with_placeholders - computed
         # a decode verifies its drafts if blocks are free
         verifies_drafts = (
             remaining == 1
@@ -158,7 +162,9 @@ class Scheduler:
         if prompt_exceeds_budget:
             return 0  # without chunked prefill a prompt runs whole (a recompute may still be split)
         num_new = min(remaining, budget)
-        is_decode = req.num_tokens - computed == 1 and req.num_output_tokens > 0
+        is_decode = req.num_tokens_with_placeholders - computed == 1 and (
+            req.num_output_tokens or req.num_output_placeholders
+        )
         if self.timer is not None and not is_decode:
             num_new = self.timer.chunk_that_fits(req, computed, num_new, bool(self.waiting))
         return num_new
@@ -209,7 +215,24 @@ class Scheduler:
         out.scheduled = [r for r in rows if not r.is_prefill] + [r for r in rows if r.is_prefill]
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.blocks_to_copy = self.block_manager.take_copies()
+        if self.config.async_scheduling:
+            self._update_after_schedule(out)
         return out
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        """Async scheduling (vLLM V1's AsyncScheduler): the next step is scheduled before this one's
+        tokens come back, so its work is counted as done now. A row's tokens count as computed, a
+        sampled token as a placeholder (the model runner feeds it from this step's sampled tokens);
+        update() settles both when the tokens land. A row whose outcome decides the request's next
+        row (the n samples it forks into) makes it sit out one step. (Drafts, whose number kept
+        decides the next row's position, are refused with async scheduling: config.py.)"""
+        for row in out.scheduled:
+            req = row.request
+            req.num_computed_tokens += row.num_tokens
+            req.spec_token_ids = []  # the row holds its drafts; later ones come after its tokens
+            if row.do_sample:
+                req.num_output_placeholders += 1
+                req.waits_for_step = bool(req.forks)
 
     def _schedule_running(
         self, out: SchedulerOutput, budget: int
@@ -219,11 +242,13 @@ class Scheduler:
         (if it already got a row this step, the row and its tokens are taken back)."""
         bm = self.block_manager
         rows = {}
-        ranked = sorted(self.running, key=self.policy_key)
-        decoding = [r for r in ranked if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in ranked if r.num_tokens - r.num_computed_tokens > 1]
+        # async scheduling: not one whose step in flight decides its length or its sequences
+        ranked = sorted((r for r in self.running if not r.waits_for_step), key=self.policy_key)
+        left = lambda r: r.num_tokens_with_placeholders - r.num_computed_tokens
+        decoding = [r for r in ranked if left(r) == 1]
+        prefilling = [r for r in ranked if left(r) > 1]
         if self.timer is not None:  # shortest first: a long prompt's chunks must not starve a short
-            prefilling.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)
+            prefilling.sort(key=left)
         for req in decoding + prefilling:
             if budget == 0:
                 break
@@ -376,15 +401,25 @@ class Scheduler:
         for row in out.scheduled:
             req = row.request
             tokens = [next(samples) for _ in range(req.num_seqs if row.do_sample else 0)]
-            if req.status.finished:  # aborted after schedule(): drop its tokens
-                continue
+            if row.do_sample and self.config.async_scheduling:  # they land: no longer placeholders
+                req.num_output_placeholders -= 1
+                req.waits_for_step = False
+            if req.status.finished:  # aborted after schedule(), or finished by the step before
+                continue  # (async: its extra row's tokens and K/V are dropped, its blocks freed)
             # kept: their K/V stays; the rest's is rolled back
             drafts = accepted_drafts.get(req.request_id, [])
-            req.num_computed_tokens += row.num_tokens - len(row.spec_token_ids) + len(drafts)
-            # blocks that held only rejected drafts go back (not a cost every row pays)
-            if row.spec_token_ids:
-                self.block_manager.free_tail(req.request_id, req.num_computed_tokens)
-            self.block_manager.cache_full_blocks(req)
+            rejected = len(row.spec_token_ids) - len(drafts)
+            if not self.config.async_scheduling:
+                req.num_computed_tokens += row.num_tokens - rejected
+            elif req.status != RequestStatus.WAITING:  # counted when scheduled: take back rejects
+                req.num_computed_tokens -= rejected  # (preempted by recompute: 0 already)
+            # (async: preempted while the step ran, it keeps its tokens; its blocks are gone or on
+            # the CPU)
+            if req.status == RequestStatus.RUNNING:
+                # blocks that held only rejected drafts go back (not a cost every row pays)
+                if row.spec_token_ids:
+                    self.block_manager.free_tail(req.request_id, req.num_computed_tokens)
+                self.block_manager.cache_full_blocks(req)
             # a verifying row's tokens, then forks' one each
             news = [drafts + tokens[:1]] + [[t] for t in tokens[1:]]
             for seq, new in zip([req, *self.fork(req)] if tokens else [], news):

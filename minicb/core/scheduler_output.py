@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from .request import Request
 
+# Async scheduling: a token that a step still in flight is sampling (vLLM also uses -1)
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -28,16 +31,20 @@ class ScheduledRequest:
     def make(cls, req: Request, num_tokens: int, block_table: list[int]) -> "ScheduledRequest":
         """The row that feeds `req` its next `num_tokens` tokens, then as many of its drafts as fit;
         it samples if they reach its end."""
-        start = req.num_computed_tokens
-        drafts = req.spec_token_ids[: max(0, start + num_tokens - req.num_tokens)]
-        done = start + num_tokens >= req.num_tokens
-        is_decode = done and num_tokens == 1 + len(drafts) and req.num_output_tokens > 0
+        start, end = req.num_computed_tokens, req.num_tokens_with_placeholders
+        drafts = req.spec_token_ids[: max(0, start + num_tokens - end)]
+        done = start + num_tokens >= end
+        has_output = req.num_output_tokens > 0 or req.num_output_placeholders > 0
+        is_decode = done and num_tokens == 1 + len(drafts) and has_output
         return cls(req, start, num_tokens, not is_decode, done, block_table, req.slot, drafts)
 
     @property
     def token_ids(self) -> list[int]:
-        ids = self.request.token_ids[self.start : self.start + self.num_tokens]
-        return ids + self.spec_token_ids[: self.num_tokens - len(ids)]
+        """The tokens fed: its own, PLACEHOLDER_TOKEN_ID for each one a step in flight is sampling
+        (async scheduling), then its drafts. Read it when the row is scheduled."""
+        known = self.request.token_ids[self.start : self.start + self.num_tokens]
+        missing = self.num_tokens - len(self.spec_token_ids) - len(known)
+        return known + [PLACEHOLDER_TOKEN_ID] * missing + self.spec_token_ids
 
 
 @dataclass
