@@ -189,8 +189,14 @@ def test_metadata_build_cache_locs_and_padding():
     assert (meta.num_seqs, meta.num_tokens) == (2, 4)
     with pytest.raises(ValueError, match="cannot hold context_len"):
         AttentionMetadata.build([[1]], [5], [5], 0, block_size=4, pad_block_id=9)
-    with pytest.raises(ValueError, match="num_decodes"):
-        AttentionMetadata.build([[1]], [3], [2], 1, block_size=4, pad_block_id=9)
+    with pytest.raises(ValueError, match="decode_query_len=1"):  # a decode row of 2 tokens
+        AttentionMetadata.build(
+            [[1]], [3], [2], 1, block_size=4, pad_block_id=9, decode_query_len=1
+        )
+    # a verifying row is one decode row of 1 + k tokens: its own row, right-aligned in the layout
+    meta = AttentionMetadata.build([[1], [2]], [3, 4], [1, 3], 2, block_size=4, pad_block_id=9)
+    assert (meta.num_decodes, meta.num_decode_tokens, meta.decode_query_len) == (2, 4, 3)
+    assert meta.decode_slots.tolist() == [2, 3, 4, 5]
 
 
 def test_store_kv_writes_exactly_the_mapped_slots():

@@ -57,7 +57,7 @@ def test_groups_are_only_as_wide_as_their_widest_row():
     by_width = {t.shape[1]: sorted(r.tolist()) for r, t in zip(groups.rows, groups.tables)}
     # the long row alone; the short ones padded to 3, not 20
     assert by_width == {3: [0, 1, 2, 4, 5], 20: [3]}
-    assert [m.shape for m in groups.masks] == [(5, 1, 1, 48), (1, 1, 1, 320)]
+    assert [m.shape for m in groups.masks] == [(5, 1, 48), (1, 1, 320)]  # (rows, query slots, keys)
 
 
 def test_a_group_is_made_only_when_it_saves_more_than_it_costs():

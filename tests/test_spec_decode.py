@@ -420,8 +420,16 @@ def test_verification_runs_inside_emulated_cuda_graphs(loaded):
         s for s in eng.trace if s.graph_bucket is not None and any(r.num_drafts for r in s.rows)
     ]
     assert graphed, "no verifying step ran in a graph"
-    # one graph row per token
-    assert all(s.graph_bucket >= sum(r.num_tokens for r in s.rows) for s in graphed)
+    # a verifying row is one graph row of 1 + k tokens, in a uniform verify batch (vLLM V1)
+    k = SPEC["num_speculative_tokens"]
+    assert all(s.graph_bucket >= len(s.rows) for s in graphed)
+    assert all(r.num_tokens == 1 + k for s in graphed for r in s.rows)
+    mixed = [
+        s
+        for s in eng.trace
+        if s.rows and not s.num_prefill_rows and len({r.num_tokens for r in s.rows}) > 1
+    ]
+    assert mixed and all(s.graph_bucket is None for s in mixed), "mixed query lengths run eagerly"
 
 
 def test_sampling_with_drafts_keeps_the_distribution(loaded):

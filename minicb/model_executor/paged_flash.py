@@ -29,6 +29,16 @@ in the model's dtype (not fp8), no sliding window, head_dim <= 256. Elsewhere th
 runs. The block size matters here: a pair per 16-token block makes tiny problems (4.2 ms per layer
 on the H100 at W2's shape, slower than the gather); 256-token blocks (1,197 pairs) took 0.68 ms.
 That is why block_size defaults to 256 on CUDA (config.py).
+
+Rows of several queries (a decode row verifying k drafts: vLLM V1 verifies its 1 + k tokens as one
+row). Keys of a block that every query of the row may see need no mask, so a (row, block) pair
+holds all Q of the row's query slots, over only the tokens cached BEFORE this step (used = context
+- query_len), non-causal: the cache is still read once per row. The row's own new tokens, which its
+queries see causally, are one more small problem per row, read from this step's K/V where the model
+computed them (chunk_attention_*: flash varlen with is_causal, square per row). The combine then
+weighs each query's W pair partials and its own-chunk partial by their log-sum-exps. A row shorter
+than Q (a batch of mixed draft counts) sits right-aligned in its Q slots; the leading slots are
+computed and dropped.
 """
 
 from dataclasses import dataclass
@@ -48,43 +58,68 @@ class PagePairs:
     # (P + 1,) int32: pair p's keys start at flat cache row cu_seq_k[p]; last = cache rows
     cu_seq_k: torch.Tensor
     used: torch.Tensor  # (P,) int32: tokens of the block that belong to the row (0..block_size)
-    cu_seq_q: torch.Tensor  # (P + 1,) int32: 0, 1, 2, ...: one query per pair
+    cu_seq_q: torch.Tensor  # (P + 1,) int32: 0, Q, 2Q, ...: Q query slots per pair
     rows: int  # B
     width: int  # W: block-table columns per row
     kernel: object  # pairs_attention_flash on CUDA, pairs_attention_reference elsewhere (CPU tests)
+    queries: int = 1  # Q: query slots per row (1 + k for rows verifying k drafts)
+    # Q > 1 only: (B + 1,) int32 cumulative query lengths of the rows (their own new tokens)
+    cu_seq_new: torch.Tensor | None = None
+    # Q > 1 only: (tokens,) int64 each token's slot in the (B * Q) layout, None when all rows have Q
+    slots: torch.Tensor | None = None
+    chunk_kernel: object = None  # chunk_attention_flash on CUDA, chunk_attention_reference else
 
 
-def page_pairs(block_tables, context_lens, block_size: int, num_locations: int) -> PagePairs:
-    """block_tables: (B, W) int64, context_lens: (B,) int64 -> the B x W pairs. Device ops only."""
+def page_pairs(
+    block_tables,
+    context_lens,
+    block_size: int,
+    num_locations: int,
+    query_len: int = 1,
+    query_start_loc=None,
+    slots=None,
+) -> PagePairs:
+    """block_tables: (B, W) int64, context_lens: (B,) int64 -> the B x W pairs. Device ops only.
+    Rows of up to query_len > 1 queries also need query_start_loc, (B + 1,) their cumulative query
+    lengths, and slots (AttentionMetadata.decode_slots): the pairs then cover the tokens cached
+    before this step, and the rows' own tokens are attended apart (the module docstring)."""
     rows, width = block_tables.shape
+    device = block_tables.device
     # (W,) of column j's block
-    first_token = torch.arange(width, device=block_tables.device) * block_size
+    first_token = torch.arange(width, device=device) * block_size
+    cached = context_lens
+    if query_len > 1:  # the pairs hold the keys every query of the row sees
+        cached = context_lens - (query_start_loc[1:] - query_start_loc[:-1])
     # (B, W): tokens of row i in column j
-    used = (context_lens[:, None] - first_token).clamp(0, block_size)
+    used = (cached[:, None] - first_token).clamp(0, block_size)
     starts = (block_tables * block_size).reshape(-1)  # (P,) the block's first row in the flat cache
     end = torch.full((1,), num_locations, dtype=starts.dtype, device=starts.device)
-    cu_seq_q = torch.arange(rows * width + 1, dtype=torch.int32, device=block_tables.device)
-    kernel = (
-        pairs_attention_flash if block_tables.device.type == "cuda" else pairs_attention_reference
-    )
+    cu_seq_q = torch.arange(rows * width + 1, dtype=torch.int32, device=device) * query_len
+    on_cuda = device.type == "cuda"
     return PagePairs(
         torch.cat([starts, end]).to(torch.int32),
         used.reshape(-1).to(torch.int32),
         cu_seq_q,
         rows,
         width,
-        kernel,
+        pairs_attention_flash if on_cuda else pairs_attention_reference,
+        query_len,
+        None if query_len == 1 else query_start_loc.to(torch.int32),
+        slots,
+        chunk_attention_flash if on_cuda else chunk_attention_reference,
     )
 
 
 def pairs_attention_reference(
     q_pairs, k_flat, v_flat, pairs: PagePairs, block_size: int, scale: float
 ):
-    """What the flash kernel computes, in plain PyTorch. q_pairs: (P, H, D); k_flat, v_flat: (L, KV,
-    D). Returns (out (P, H, D), lse (H, P) float32, float64 for float64 inputs). A pair with no
-    tokens gets out 0 and lse +inf, as the kernel's early exit writes them: combine_pairs must never
-    trust those."""
-    num_pairs, num_heads, head_dim = q_pairs.shape
+    """What the flash kernel computes, in plain PyTorch. q_pairs: (P * Q, H, D), pair p's Q queries
+    at rows p * Q .. p * Q + Q - 1; k_flat, v_flat: (L, KV, D). Returns (out (P * Q, H, D), lse
+    (H, P * Q) float32, float64 for float64 inputs). A pair with no tokens gets out 0 and lse +inf,
+    as the kernel's early exit writes them: combine_pairs must never trust those."""
+    num_pairs = pairs.used.shape[0]
+    num_slots, num_heads, head_dim = q_pairs.shape
+    queries = num_slots // num_pairs
     kv_heads = k_flat.shape[1]
     # (P, bs)
     idx = pairs.cu_seq_k[:-1, None].long() + torch.arange(block_size, device=q_pairs.device)
@@ -93,16 +128,20 @@ def pairs_attention_reference(
     keys, values = k_flat[idx], v_flat[idx]  # (P, bs, KV, D): a copy, fine for a reference
     # the kernel accumulates in float32
     acc = torch.float64 if q_pairs.dtype == torch.float64 else torch.float32
-    q = q_pairs.view(num_pairs, kv_heads, num_heads // kv_heads, head_dim)  # (P, KV, group, D)
-    scores = torch.einsum("pkgd,ptkd->pkgt", q.to(acc), keys.to(acc)) * scale  # (P, KV, group, bs)
+    # (P, KV, Q * group, D): a pair's queries, the heads of one kv head each
+    q = q_pairs.view(num_pairs, queries, kv_heads, num_heads // kv_heads, head_dim)
+    q = q.transpose(1, 2).reshape(num_pairs, kv_heads, -1, head_dim)
+    scores = torch.einsum("pkgd,ptkd->pkgt", q.to(acc), keys.to(acc)) * scale  # (P, KV, Q*g, bs)
     valid = torch.arange(block_size, device=q_pairs.device) < pairs.used[:, None]  # (P, bs)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (P, KV, group), -inf for an empty pair
+    lse = torch.logsumexp(scores, dim=-1)  # (P, KV, Q * group), -inf for an empty pair
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("pkgt,ptkd->pkgd", probs, values.to(acc)).reshape(
-        num_pairs, num_heads, head_dim
-    )
-    lse = lse.reshape(num_pairs, num_heads).masked_fill(pairs.used[:, None] == 0, float("inf"))
+    out = torch.einsum("pkgt,ptkd->pkgd", probs, values.to(acc))  # (P, KV, Q * group, D)
+    out = out.view(num_pairs, kv_heads, queries, -1, head_dim).transpose(1, 2)
+    out = out.reshape(num_slots, num_heads, head_dim)
+    lse = lse.view(num_pairs, kv_heads, queries, -1).transpose(1, 2).reshape(num_slots, num_heads)
+    empty = (pairs.used == 0)[:, None].expand(num_pairs, queries).reshape(-1, 1)  # (P * Q, 1)
+    lse = lse.masked_fill(empty, float("inf"))
     return out.to(q_pairs.dtype), lse.t().contiguous()
 
 
@@ -115,7 +154,7 @@ def pairs_attention_flash(q_pairs, k_flat, v_flat, pairs: PagePairs, block_size:
         v_flat,
         pairs.cu_seq_q,
         pairs.cu_seq_k,
-        1,
+        pairs.queries,
         block_size,
         0.0,
         False,
@@ -123,13 +162,44 @@ def pairs_attention_flash(q_pairs, k_flat, v_flat, pairs: PagePairs, block_size:
         scale=scale,
         seqused_k=pairs.used,
     )
-    # lse: (H, P), one per head and pair
+    # lse: (H, P * Q), one per head and query slot
     return out, lse.reshape(q_pairs.shape[1], q_pairs.shape[0])
+
+
+def chunk_attention_reference(q, k, v, cu_seq, max_len: int, scale: float):
+    """Each row's new tokens attending causally to each other, in plain PyTorch: q (T, H, D), k, v
+    (T, KV, D), row r's tokens at cu_seq[r] .. cu_seq[r + 1] - 1 (at most max_len). Returns (out (T,
+    H, D), lse (H, T)), as chunk_attention_flash. Device ops only."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    tokens = torch.arange(num_tokens, device=q.device)
+    row = torch.bucketize(tokens, cu_seq[1:].long(), right=True)  # (T,)
+    first = cu_seq[:-1].long()[row]  # (T,): the row's first token
+    offsets = torch.arange(max_len, device=q.device)
+    idx = (first[:, None] + offsets).clamp(max=num_tokens - 1)  # (T, max_len): candidate keys
+    allowed = first[:, None] + offsets <= tokens[:, None]  # its row's tokens up to itself
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rows = q.view(num_tokens, kv_heads, num_heads // kv_heads, head_dim).to(acc)
+    scores = torch.einsum("tkgd,tskd->tkgs", rows, k[idx].to(acc)) * scale
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (T, KV, group): finite, a token sees itself
+    out = torch.einsum("tkgs,tskd->tkgd", torch.exp(scores - lse[..., None]), v[idx].to(acc))
+    out = out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
+    return out, lse.reshape(num_tokens, num_heads).t().contiguous()
+
+
+def chunk_attention_flash(q, k, v, cu_seq, max_len: int, scale: float):
+    """The same through the flash kernel: varlen, causal (square per row, so top-left and
+    bottom-right alignment agree)."""
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seq, cu_seq, max_len, max_len, 0.0, True, False, scale=scale
+    )
+    return out, lse.reshape(q.shape[1], q.shape[0])
 
 
 def combine_pairs(out, lse, pairs: PagePairs):
     """(P, H, D) partial outputs + (H, P) log-sum-exps -> (B, H, D): each row's exact attention
-    output."""
+    output (rows of one query)."""
     num_heads, head_dim = out.shape[1:]
     lse = lse.t().reshape(pairs.rows, pairs.width, num_heads)  # (B, W, H)
     empty = (pairs.used == 0).view(pairs.rows, pairs.width, 1)
@@ -140,9 +210,13 @@ def combine_pairs(out, lse, pairs: PagePairs):
     return (weights[..., None] * parts).sum(dim=1).to(out.dtype)  # (B, H, D)
 
 
-def flash_pages_attention(q, k_cache, v_cache, pairs: PagePairs, scale: float):
-    """Decode attention over the paged cache with no gather. q: (B, H, D); caches (num_blocks + 1,
-    bs, KV, D). Returns (B, H, D)."""
+def flash_pages_attention(q, k_cache, v_cache, pairs: PagePairs, scale: float, k=None, v=None):
+    """Decode attention over the paged cache with no gather. q: (tokens, H, D), the decode rows'
+    tokens (one per row when pairs.queries is 1); caches (num_blocks + 1, bs, KV, D); k, v: (tokens
+    or more, KV, D), this step's keys and values (needed for rows of several queries). Returns
+    (tokens, H, D)."""
+    if pairs.queries > 1:
+        return _multi_query_pages(q, k_cache, v_cache, pairs, scale, k, v)
     batch, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     q_pairs = (
@@ -157,6 +231,52 @@ def flash_pages_attention(q, k_cache, v_cache, pairs: PagePairs, scale: float):
         scale,
     )
     return combine_pairs(out, lse, pairs)
+
+
+def _multi_query_pages(q, k_cache, v_cache, pairs: PagePairs, scale: float, k, v):
+    """flash_pages_attention for rows of up to Q = pairs.queries tokens: the cached prefix through
+    the (row, block) pairs, the rows' own tokens through the causal chunk kernel, then per token the
+    combine over W + 1 partials."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    rows, width, slots = pairs.rows, pairs.width, pairs.queries
+    padded = q  # (B * Q, H, D): rows right-aligned in their Q slots
+    if pairs.slots is not None:
+        padded = q.new_zeros(rows * slots, num_heads, head_dim).index_copy_(0, pairs.slots, q)
+    q_pairs = padded.view(rows, 1, slots, num_heads, head_dim).expand(
+        rows, width, slots, num_heads, head_dim
+    )
+    out, lse = pairs.kernel(
+        q_pairs.reshape(-1, num_heads, head_dim),
+        k_cache.view(-1, kv_heads, head_dim),
+        v_cache.view(-1, kv_heads, head_dim),
+        pairs,
+        block_size,
+        scale,
+    )
+    # (B, W, Q, ...) -> per query slot (B * Q, W, ...), then the real tokens only
+    out = out.view(rows, width, slots, num_heads, head_dim).transpose(1, 2)
+    out = out.reshape(rows * slots, width, num_heads, head_dim)
+    lse = lse.t().reshape(rows, width, slots, num_heads).transpose(1, 2)
+    lse = lse.reshape(rows * slots, width, num_heads)
+    empty = (pairs.used == 0).view(rows, 1, width).expand(rows, slots, width)
+    empty = empty.reshape(rows * slots, width)
+    if pairs.slots is not None:
+        out = out.index_select(0, pairs.slots)
+        lse = lse.index_select(0, pairs.slots)
+        empty = empty.index_select(0, pairs.slots)
+    own, own_lse = pairs.chunk_kernel(
+        q, k[:num_tokens], v[:num_tokens], pairs.cu_seq_new, slots, scale
+    )
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # (tokens, W + 1, H): each partial's share of the mass; the own chunk is never empty
+    lse = torch.cat(
+        [lse.to(acc).masked_fill(empty[..., None], float("-inf")), own_lse.t()[:, None].to(acc)],
+        dim=1,
+    )
+    weights = torch.softmax(lse, dim=1)
+    parts = torch.cat([out, own[:, None]], dim=1).to(acc)  # (tokens, W + 1, H, D)
+    return (weights[..., None] * parts).sum(dim=1).to(q.dtype)
 
 
 def flash_pages_supported(

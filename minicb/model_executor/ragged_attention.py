@@ -13,9 +13,14 @@ layer (tens of microseconds on a CPU), so rows of nearby lengths share a group. 
 the grouping by dynamic programming over the sorted block counts, pricing a group's padded
 row-blocks plus a fixed GROUP_COST. The outputs are the reference's, up to the order of floating
 point sums: tests/test_ragged_attention.py compares them on random ragged batches.
+
+A decode row verifying k speculative drafts has 1 + k queries (vLLM V1: one decode row, not k + 1):
+a group holds its rows' queries right-aligned in Q slots, Q its longest row's query length, with
+one mask per query slot, and the group's gather is read by all of them at once. A shorter row's
+leading slots repeat its first query and are dropped after.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -52,12 +57,33 @@ class DecodeGroups:
     """The decode rows of one step in groups (built once per step, used by every layer)."""
 
     rows: list[torch.Tensor]  # per group (G,) int64: which decode rows it holds
+    # per group (G * Q,) int64: which decode token each query slot takes (rows right-aligned in Q
+    # slots; a shorter row's leading slots repeat its first token)
+    queries: list[torch.Tensor]
     # per group (G, width) int64: their block tables, padded to the group's widest
     tables: list[torch.Tensor]
-    # per group (G, 1, 1, width * block_size): 0 where a key is the row's, -inf past it
+    # per group (G, Q, width * block_size): 0 where query slot j may see the key, -inf elsewhere
     masks: list[torch.Tensor]
-    num_rows: int
-    in_order: bool  # one group holding every row in order: no scatter needed
+    # per group: None when every slot is a real token, else (real slots,) int64 into the G * Q
+    real_slots: list[torch.Tensor | None]
+    num_tokens: int  # the decode tokens: every row's query length, summed
+    in_order: bool  # one group holding every token in order: no scatter needed
+    # per (group index, query heads per kv head): the mask repeated over those heads, made at first
+    # use, as decode_groups cannot know the model's heads
+    expanded: dict = field(default_factory=dict)
+
+    def mask(self, i: int, group_size: int) -> torch.Tensor:
+        """Group i's mask for SDPA: (G, 1, Q * group_size, keys), the query slot major."""
+        key = (i, group_size)
+        if key not in self.expanded:
+            m = self.masks[i]
+            g, q, length = m.shape
+            if q == 1:  # (G, 1, 1, keys) broadcasts over the heads
+                self.expanded[key] = m[:, None]
+            else:
+                m = m[:, None, :, None, :].expand(g, 1, q, group_size, length)
+                self.expanded[key] = m.reshape(g, 1, q * group_size, length)
+        return self.expanded[key]
 
 
 def decode_groups(
@@ -67,15 +93,21 @@ def decode_groups(
     pad_block_id: int,
     dtype: torch.dtype,
     device,
+    query_lens: list[int] | None = None,
 ) -> DecodeGroups:
-    """Group the decode rows (their block tables and context lengths) and build each group's
-    inputs."""
+    """Group the decode rows (their block tables, context lengths and query lengths, 1 each when
+    None) and build each group's inputs."""
+    query_lens = query_lens or [1] * len(block_tables)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
     groups = group_rows([len(t) for t in block_tables])
     if len(groups) == 1:  # one group: keep the rows in their own order, nothing to scatter back
         groups = [list(range(len(block_tables)))]
-    rows, tables, masks = [], [], []
+    queries, tables, masks, real_slots = [], [], [], []
     for g in groups:
         width = max(len(block_tables[r]) for r in g)
+        slots = max(query_lens[r] for r in g)  # Q: query slots per row in this group
         tables.append(
             torch.tensor(
                 [block_tables[r] + [pad_block_id] * (width - len(block_tables[r])) for r in g],
@@ -83,42 +115,65 @@ def decode_groups(
                 device=device,
             )
         )
+        # slot j of row r: its token (slot - padding), or its first token where it has none
+        pads = [slots - query_lens[r] for r in g]
+        queries.append(
+            torch.tensor(
+                [starts[r] + max(j - p, 0) for r, p in zip(g, pads) for j in range(slots)],
+                dtype=torch.long,
+                device=device,
+            )
+        )
+        real = [i * slots + j for i, p in enumerate(pads) for j in range(p, slots)]
+        is_full = len(real) == len(g) * slots
+        real_slots.append(None if is_full else torch.tensor(real, dtype=torch.long, device=device))
         lens = torch.tensor([context_lens[r] for r in g], device=device)
-        # (G, width * block_size)
-        allowed = torch.arange(width * block_size, device=device) < lens[:, None]
+        # (G, Q): slot j's position, context_len - Q + j, at least 0 (a padding slot sees key 0)
+        q_pos = (lens[:, None] - slots + torch.arange(slots, device=device)).clamp(min=0)
+        allowed = torch.arange(width * block_size, device=device) <= q_pos[:, :, None]
         masks.append(
             torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
                 ~allowed, float("-inf")
-            )[:, None, None, :]
+            )
         )
-        rows.append(torch.tensor(g, dtype=torch.long, device=device))
-    return DecodeGroups(rows, tables, masks, len(block_tables), in_order=len(groups) == 1)
+    in_order = len(groups) == 1 and real_slots[0] is None
+    rows = [torch.tensor(g, dtype=torch.long, device=device) for g in groups]
+    return DecodeGroups(rows, queries, tables, masks, real_slots, starts[-1], in_order)
 
 
 def grouped_decode_attention(q, k_cache, v_cache, groups: DecodeGroups, scale, quant=None):
-    """decode_attention's result, group by group. q: (B, num_heads, head_dim) -> (B, num_heads,
-    head_dim)."""
-    batch, num_heads, head_dim = q.shape
+    """decode_attention's result, group by group. q: (num_decode_tokens, num_heads, head_dim) ->
+    the same shape."""
+    _, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group_size = num_heads // kv_heads  # query heads per kv head (grouped-query attention)
-    out = q if groups.in_order else torch.empty_like(q)
-    for rows, tables, mask in zip(groups.rows, groups.tables, groups.masks):
+    out = None if groups.in_order else torch.empty_like(q)
+    for i, (queries, tables) in enumerate(zip(groups.queries, groups.tables)):
         g, width = tables.shape
+        slots = queries.shape[0] // g  # Q
         length = width * block_size
         k = k_cache.index_select(0, tables.reshape(-1)).view(g, length, kv_heads, head_dim)
         v = v_cache.index_select(0, tables.reshape(-1)).view(g, length, kv_heads, head_dim)
         if quant is not None:  # a cache in another dtype than the model's (kv_quant.py)
             k, v = quant.dequantize(k, v, q.dtype)
-        q_g = q if groups.in_order else q.index_select(0, rows)
-        # (g, kv, group, hd)
+        q_g = q if groups.in_order else q.index_select(0, queries)  # (G * Q, H, D)
+        # (G, kv, Q * group, hd): a row's Q queries of the heads sharing a kv head, slot major
+        rows = q_g.view(g, slots, kv_heads, group_size, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q_g.view(g, kv_heads, group_size, head_dim),
+            rows.reshape(g, kv_heads, slots * group_size, head_dim),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=mask,
+            attn_mask=groups.mask(i, group_size),
             scale=scale,
         )
+        # (G, kv, Q, group, hd) -> (G * Q, H, D)
+        o = o.view(g, kv_heads, slots, group_size, head_dim).transpose(1, 2)
+        o = o.reshape(g * slots, num_heads, head_dim)
         if groups.in_order:
-            return o.reshape(batch, num_heads, head_dim)
-        out.index_copy_(0, rows, o.reshape(g, num_heads, head_dim))
+            return o
+        real = groups.real_slots[i]
+        if real is None:
+            out.index_copy_(0, queries, o)
+        else:
+            out.index_copy_(0, queries.index_select(0, real), o.index_select(0, real))
     return out

@@ -24,6 +24,12 @@ graphs ran 1.7x SLOWER than eager); a width bucket never reads twice what the st
 over MAX_GRAPH_TOKENS are not captured: there K/V reads outweigh launches, and the step runs
 eagerly. All graphs share one memory pool, captured largest first.
 
+Speculative decoding (vLLM V1's uniform decode batches). A row verifying k drafts is one decode
+row of 1 + k query tokens (model_runner.host_inputs). With a speculative_config, graphs are captured
+twice per (rows, width): for decode batches of one token a row, and for uniform verify batches, in
+which every row has 1 + k tokens (vLLM's uniform_decode_query_len), each row's cache read once. A
+batch of mixed query lengths (some rows with fewer drafts) runs eagerly, as in vLLM.
+
 Emulation on CPU. Without CUDA, `capture` keeps the step's callable with its static buffers
 and `replay` runs it eagerly on them, so every line but `torch.cuda.graph(...)` runs in the CPU
 test suite: padding, graph choice, buffer copies and sink routing, and that the step depends on
@@ -101,7 +107,8 @@ class CapturedStep:
 
 
 class DecodeGraphRunner:
-    """Runs decode-only steps through one captured graph per (batch bucket, width bucket).
+    """Runs decode-only steps through one captured graph per (batch bucket, width bucket), and with
+    speculative decoding per (batch bucket, width bucket) of uniform verify batches.
 
     Built from a ModelRunner: shares its model weights and KV-cache tensors (no copies).
     All graphs are captured eagerly, when the runner is built (at engine start).
@@ -133,42 +140,52 @@ class DecodeGraphRunner:
             self.block_size,
             max_graph_tokens,
         )
+        spec = config.speculative_config
+        # vLLM's uniform_decode_query_len: tokens per row of a verify graph (None: no drafts)
+        self.verify_query_len = None if spec is None else 1 + spec.num_speculative_tokens
 
         # Static inputs sized for the largest bucket; a graph reads their first rows (and columns).
         n = self.buckets[-1]
+        tokens = n * (self.verify_query_len or 1)
         long = dict(dtype=torch.long, device=self.device)
-        self.input_ids = torch.zeros(n, **long)  # (n,)
-        self.positions = torch.zeros(n, **long)  # (n,)
-        self.cache_locs = torch.zeros(n, **long)  # (n,)
+        self.input_ids = torch.zeros(tokens, **long)  # (tokens,)
+        self.positions = torch.zeros(tokens, **long)  # (tokens,)
+        self.cache_locs = torch.zeros(tokens, **long)  # (tokens,)
         self.context_lens = torch.zeros(n, **long)  # (n,)
         self.block_tables = torch.zeros(n, self.max_blocks, **long)  # (n, max_blocks)
-        # (n + 1,): one query per row, never changes
+        # (n + 1,): q queries per row in a graph of q-token rows, never changes
         self.query_start_loc = torch.arange(n + 1, **long)
+        self.verify_start_loc = self.query_start_loc * (self.verify_query_len or 1)
 
         self.pool = None if self.emulated else torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], CapturedStep] = {}  # (rows, columns) -> its graph
+        # the same for uniform verify batches (rows of verify_query_len tokens)
+        self.verify_graphs: dict[tuple[int, int], CapturedStep] = {}
         self.last_bucket: int | None = None  # the batch bucket the last run() replayed
         self.last_width: int | None = None  # and its width in block-table columns
+        self.last_query_len: int | None = None  # and its tokens per row
         self.num_replays = 0  # decode steps served by graphs so far
         self.capture_seconds = self.capture_all()
 
     # ------------------------------------------------------------------ capture
-    def _step_fn(self, b: int, w: int):
-        """The decode step of b rows and w table columns as a callable over the static buffers
-        only."""
+    def _step_fn(self, b: int, w: int, q: int = 1):
+        """The decode step of b rows of q tokens and w table columns as a callable over the static
+        buffers only."""
         meta = AttentionMetadata(
-            cache_locs=self.cache_locs[:b],
+            cache_locs=self.cache_locs[: b * q],
             block_tables=self.block_tables[:b, :w],
             context_lens=self.context_lens[:b],
-            query_start_loc=self.query_start_loc[: b + 1],
+            query_start_loc=(self.query_start_loc if q == 1 else self.verify_start_loc)[: b + 1],
             num_decodes=b,  # a shape, the same at every replay
             # Host lists hold capture-time (padding) values, as a graph would freeze them.
             # The decode path must never read them; tests/test_cuda_graph.py shows it would tell.
-            query_start_loc_host=list(range(b + 1)),
-            context_lens_host=[1] * b,
+            query_start_loc_host=list(range(0, b * q + 1, q)),
+            context_lens_host=[q] * b,
+            num_decode_tokens=b * q,
+            decode_query_len=q,  # every row has q tokens: no decode_slots
         )
-        input_ids = self.input_ids[:b]
-        positions = self.positions[:b]
+        input_ids = self.input_ids[: b * q]
+        positions = self.positions[: b * q]
 
         def step():
             if self.pages:  # the (row, block) pairs, computed on the device inside the graph
@@ -177,26 +194,34 @@ class DecodeGraphRunner:
                     meta.context_lens,
                     self.block_size,
                     self.kv_cache.num_locations,
+                    q,
+                    meta.query_start_loc,
                 )
-            # (b, hidden): the logits run after
+            # (b * q, hidden): the logits run after
             return self.model(input_ids, positions, self.kv_cache, meta)
 
         return step
+
+    def query_lens(self) -> list[int]:
+        """The tokens per row that graphs are captured for: 1, and 1 + k with drafts."""
+        return [1] if self.verify_query_len is None else [1, self.verify_query_len]
 
     @torch.inference_mode()
     def capture_all(self) -> float:
         """Warm up and capture every graph, largest first. Returns the seconds it took."""
         t0 = time.perf_counter()
-        self._pad(0, self.buckets[-1])  # all rows are padding: warm-ups write only the sink
-        for b in reversed(self.buckets):  # largest first: it sizes the shared pool
-            for i, w in enumerate(reversed(self.widths[b])):
-                step = self._step_fn(b, w)
-                # warm-up outside the capture: lazy init (cuBLAS handles, workspaces) happens here
-                if i == 0:
-                    step()
-                    if not self.emulated:
-                        torch.cuda.synchronize(self.device)
-                self.graphs[b, w] = CapturedStep(step, self.device, self.pool)
+        for q in reversed(self.query_lens()):  # largest first: it sizes the shared pool
+            graphs = self.graphs if q == 1 else self.verify_graphs
+            self._pad(0, self.buckets[-1], q)  # all rows are padding: warm-ups write only the sink
+            for b in reversed(self.buckets):
+                for i, w in enumerate(reversed(self.widths[b])):
+                    step = self._step_fn(b, w, q)
+                    # warm-up outside the capture: lazy init (cuBLAS handles, workspaces) here
+                    if i == 0:
+                        step()
+                        if not self.emulated:
+                            torch.cuda.synchronize(self.device)
+                    graphs[b, w] = CapturedStep(step, self.device, self.pool)
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ replay
@@ -212,69 +237,85 @@ class DecodeGraphRunner:
         w = next((w for w in self.widths[b] if w >= width), None) if b is not None else None
         return None if w is None else (b, w)
 
+    def uniform_query_len(self, out) -> int | None:
+        """The tokens of every row if a graph was captured for it (1, or 1 + k: vLLM's uniform
+        decode batch), else None: a step of mixed query lengths runs eagerly."""
+        lens = {r.num_tokens for r in out.scheduled}
+        q = next(iter(lens)) if len(lens) == 1 else None
+        return q if q in self.query_lens() else None
+
     def can_run(self, out) -> bool:
-        """True for a step of decode rows only (verifying rows included: one graph row per token)
-        that fits a graph."""
+        """True for a step of decode rows only, every row with the same query length (1, or 1 + k
+        verifying k drafts), that fits a graph."""
         rows = out.scheduled
         bs = self.block_size
         # table columns it reads
         width = max((cdiv(r.start + r.num_tokens, bs) for r in rows), default=0)
         is_decode_only = all(not r.is_prefill and r.do_sample for r in rows)
-        return is_decode_only and self.graph_for(sum(r.num_tokens for r in rows), width) is not None
+        is_uniform = self.uniform_query_len(out) is not None
+        fits = self.graph_for(len(rows), width) is not None
+        return is_decode_only and is_uniform and fits
 
-    def _pad(self, start: int, stop: int) -> None:
-        """Make rows start..stop-1 padding: token 0 at position 0, writing and reading only the
-        sink."""
-        self.input_ids[start:stop] = 0
-        self.positions[start:stop] = 0
-        self.cache_locs[start:stop] = self.sink_loc
-        self.context_lens[start:stop] = 1
+    def _pad(self, start: int, stop: int, q: int = 1) -> None:
+        """Make rows start..stop-1 padding: q tokens 0 at positions 0..q-1 and context length q,
+        writing and reading only the sink."""
+        tokens = slice(start * q, stop * q)
+        self.input_ids[tokens] = 0
+        self.positions[tokens] = torch.arange(q, device=self.device).repeat(stop - start)
+        self.cache_locs[tokens] = self.sink_loc
+        self.context_lens[start:stop] = q
         self.block_tables[start:stop] = self.sink_block_id
 
     @torch.inference_mode()
     def run(self, out, h=None) -> torch.Tensor:
         """Copy the live batch in, pad to its graph, replay. Returns (num_tokens, vocab) logits, in
-        row order (one graph row per token: a verifying row of k drafts fills k + 1). `h`: the
-        step's HostInputs, if made."""
+        row order (a verifying row of k drafts gives k + 1). `h`: the step's HostInputs, if
+        made."""
         bs = self.block_size
         # Host-side bookkeeping, outside the graph (Python values are fine here): the eager path's
         # lists.
         h = h or host_inputs(out, bs)
-        num_rows = len(h.input_ids)
+        num_rows = len(h.context_lens)
+        num_tokens = len(h.input_ids)
         width = max((len(t) for t in h.block_tables), default=0)  # the columns this step needs
         key = self.graph_for(num_rows, width) if self.can_run(out) else None
         if key is None:
             raise ValueError(
-                f"not a decode-only step of 1..{self.buckets[-1]} rows of at most "
+                f"not a decode-only step of 1..{self.buckets[-1]} rows, all of "
+                f"{' or '.join(map(str, self.query_lens()))} tokens, of at most "
                 f"{self.widths[self.buckets[0]][-1]} table columns: run it eagerly"
             )
+        q = self.uniform_query_len(out)
         locs = cache_locations(h.block_tables, h.context_lens, h.query_lens, bs)
 
         def host(x):
             # built on the CPU; copy_ moves it to the device
             return torch.tensor(x, dtype=torch.long)
 
-        self.input_ids[:num_rows].copy_(host(h.input_ids))
-        self.positions[:num_rows].copy_(host(h.positions))
-        self.cache_locs[:num_rows].copy_(host(locs))
+        self.input_ids[:num_tokens].copy_(host(h.input_ids))
+        self.positions[:num_tokens].copy_(host(h.positions))
+        self.cache_locs[:num_tokens].copy_(host(locs))
         self.context_lens[:num_rows].copy_(host(h.context_lens))
         self.block_tables[:num_rows, :width].copy_(
             host(pad_tables(h.block_tables, width, self.sink_block_id))
         )
         self.block_tables[:num_rows, width:] = self.sink_block_id  # masked (or empty pages) anyway
-        self._pad(num_rows, key[0])
-        graph = self.graphs[key]
+        self._pad(num_rows, key[0], q)
+        graph = (self.graphs if q == 1 else self.verify_graphs)[key]
         graph.replay()
         self.last_bucket, self.last_width = key
+        self.last_query_len = q
         self.num_replays += 1
         # Logits outside the graph, for the live rows only: a graph's output stays allocated as long
         # as the graph, and 115 graphs' (rows, vocab) logits held 2.8 GiB on the H200; their hidden
         # states hold 20 MB.
-        return self.model.compute_logits(graph.output[:num_rows])  # (num_tokens, vocab)
+        return self.model.compute_logits(graph.output[:num_tokens])  # (num_tokens, vocab)
 
     def __repr__(self) -> str:
         mode = "emulated on CPU" if self.emulated else f"CUDA graphs on {self.device}"
+        verify = f" + {len(self.verify_graphs)} of {self.verify_query_len}-token rows"
         return (
-            f"DecodeGraphRunner({mode}, {len(self.graphs)} graphs: buckets={self.buckets}, "
+            f"DecodeGraphRunner({mode}, {len(self.graphs)} graphs"
+            f"{verify if self.verify_graphs else ''}: buckets={self.buckets}, "
             f"widths={self.widths[self.buckets[0]]}, captured in {self.capture_seconds:.2f} s)"
         )

@@ -55,21 +55,22 @@ class ModelRunnerOutput:
 class HostInputs:
     """One step's inputs as plain Python lists, before they become tensors (the part of input
     preparation that runs on the CPU between two GPU steps, and that W3 times). Attention rows are
-    the scheduler's rows, except that a decode row with drafts to verify (spec_decode.py) is fed as
-    one one-query attention row per token: its query j sees the first start + j + 1 tokens, exactly
-    what a decode at that position sees, so every such row takes the batched decode path (and fits a
-    graph)."""
+    the scheduler's rows. A decode row that verifies k drafts (spec_decode/) is, as in vLLM V1, a
+    decode row with 1 + k query tokens: one attention row whose tokens attend causally within it and
+    to its cache, which the decode paths read once for all of them. Decode rows (the scheduler's
+    decode rows, and a prompt's one-token chunk) lead the batch."""
 
     input_ids: list[int]  # (num_tokens,): every scheduled token of every row, rows concatenated
     positions: list[int]  # (num_tokens,): each token's position in its own sequence
     block_tables: list[list[int]]  # per attention row: only the blocks in use after this step
     context_lens: list[int]  # per attention row: tokens in the cache after this step's writes
     query_lens: list[int]  # per attention row: tokens fed this step
-    num_decodes: int  # the leading one-token attention rows, which take the batched decode path
+    num_decodes: int  # the leading decode rows (1 token, or 1 + k verifying k drafts)
     sample_rows: list[int]  # scheduler rows that sample a token this step
     row_starts: list[int]  # per scheduler row: the index of its first token in input_ids
     # the tokens whose logits are computed: each sampling row's last, a verifying row's all
     logits_indices: list[int]
+    num_decode_tokens: int = 0  # vLLM's name: the tokens of the leading decode rows
 
 
 def host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
@@ -79,14 +80,13 @@ def host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
         inputs.row_starts.append(len(inputs.input_ids))
         inputs.input_ids += row.token_ids
         inputs.positions += range(start, start + n)
-        # one attention row per token (decodes, verifying rows)
-        per_token = n == 1 or not row.is_prefill
-        lens = range(start + 1, start + n + 1) if per_token else [start + n]
-        if per_token and inputs.num_decodes == len(inputs.context_lens):
-            inputs.num_decodes += n
-        inputs.context_lens += lens
-        inputs.query_lens += [1] * n if per_token else [n]
-        inputs.block_tables += [row.block_table[: cdiv(c, block_size)] for c in lens]
+        is_decode = n == 1 or not row.is_prefill  # one token, or a verifying row
+        if is_decode and inputs.num_decodes == len(inputs.context_lens):
+            inputs.num_decodes += 1
+            inputs.num_decode_tokens += n
+        inputs.context_lens.append(start + n)
+        inputs.query_lens.append(n)
+        inputs.block_tables.append(row.block_table[: cdiv(start + n, block_size)])
         if row.do_sample:
             inputs.sample_rows.append(i)
             inputs.logits_indices += range(
@@ -125,23 +125,28 @@ class ModelRunner:
             self.kv_cache.sink_block_id,
             self.device,
         )
-        reads_pages_in_place = self.attention_backend == "flash_pages" and h.num_decodes
-        groups_decodes_on_cpu = self.device.type == "cpu" and h.num_decodes
+        nd = h.num_decodes
+        reads_pages_in_place = self.attention_backend == "flash_pages" and nd
+        groups_decodes_on_cpu = self.device.type == "cpu" and nd
         if reads_pages_in_place:  # decode reads the pages in place
             meta.pages = page_pairs(
-                meta.block_tables[: h.num_decodes],
-                meta.context_lens[: h.num_decodes],
+                meta.block_tables[:nd],
+                meta.context_lens[:nd],
                 self.config.block_size,
                 self.kv_cache.num_locations,
+                meta.decode_query_len,
+                meta.query_start_loc[: nd + 1],
+                meta.decode_slots,
             )
         elif groups_decodes_on_cpu:  # eager CPU: decode rows grouped by length, once a step
             meta.decode_groups = decode_groups(
-                h.block_tables[: h.num_decodes],
-                h.context_lens[: h.num_decodes],
+                h.block_tables[:nd],
+                h.context_lens[:nd],
                 self.config.block_size,
                 self.kv_cache.sink_block_id,
                 self.kv_cache.dtype,
                 self.device,
+                h.query_lens[:nd],
             )
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
         return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.logits_indices
