@@ -83,6 +83,25 @@ def test_matches_transformers(model, name, spec):
         )
 
 
+ASYNC_CONFIGS = [name for name, c in CONFIGS.items() if "speculative_config" not in c] + [
+    "preempt_recompute",
+    "preempt_swap",
+]
+PREEMPTING = dict(block_size=4, num_blocks=24, max_num_batched_tokens=32)
+
+
+@pytest.mark.parametrize("name", ASYNC_CONFIGS)
+def test_async_scheduling_matches_transformers(model, name):
+    """Async scheduling (the next step scheduled before this one's tokens land) gives the same
+    tokens in every configuration; drafts are refused with it (test_async_scheduling.py)."""
+    loaded, refs, _ = model
+    config = CONFIGS.get(name) or PREEMPTING | {"preemption_mode": name.removeprefix("preempt_")}
+    tokens, trace = run(loaded, async_scheduling=True, **config)
+    assert tokens == refs
+    if name.startswith("preempt"):
+        assert any(s.preempted or s.swapped_out for s in trace), "nothing was preempted"
+
+
 @pytest.mark.parametrize("mode,spec", [("recompute", None), ("swap", None), ("recompute", SPEC)])
 def test_preemption_keeps_outputs_exact(model, mode, spec):
     loaded, refs, _ = model

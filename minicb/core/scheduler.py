@@ -117,8 +117,8 @@ class Scheduler:
 
     def _lowest_ranked_running(self) -> Request | None:
         """The running request the policy would serve last; among equals, the latest admitted. Not
-        one waiting for its step in flight (async scheduling: its drafts or forks must land on a
-        running request; a request being scheduled is always a candidate). None: no candidate."""
+        one waiting for its step in flight (async scheduling: its forks must land on a running
+        request; a request being scheduled is always a candidate). None: no candidate."""
         candidates = [r for r in reversed(self.running) if not r.waits_for_step]
         return max(candidates, key=self.policy_key, default=None)
 
@@ -215,24 +215,16 @@ class Scheduler:
         out.scheduled = [r for r in rows if not r.is_prefill] + [r for r in rows if r.is_prefill]
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.blocks_to_copy = self.block_manager.take_copies()
-        if self.config.async_scheduling:
-            self._update_after_schedule(out)
+        self._update_after_schedule(out)
         return out
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
-        """Async scheduling (vLLM V1's AsyncScheduler): the next step is scheduled before this one's
-        tokens come back, so its work is counted as done now. A row's tokens count as computed, a
-        sampled token as a placeholder (the model runner feeds it from this step's sampled tokens);
-        update() settles both when the tokens land. A row whose outcome decides the request's next
-        row (the n samples it forks into) makes it sit out one step. (Drafts, whose number kept
-        decides the next row's position, are refused with async scheduling: config.py.)"""
-        for row in out.scheduled:
-            req = row.request
-            req.num_computed_tokens += row.num_tokens
-            req.spec_token_ids = []  # the row holds its drafts; later ones come after its tokens
-            if row.do_sample:
-                req.num_output_placeholders += 1
-                req.waits_for_step = bool(req.forks)
+        """Nothing: a step's tokens are counted when it has run (update()). AsyncScheduler counts
+        them now."""
+
+    def _may_schedule(self, req: Request) -> bool:
+        """Every running request may get tokens (AsyncScheduler holds some back for a step)."""
+        return True
 
     def _schedule_running(
         self, out: SchedulerOutput, budget: int
@@ -242,8 +234,7 @@ class Scheduler:
         (if it already got a row this step, the row and its tokens are taken back)."""
         bm = self.block_manager
         rows = {}
-        # async scheduling: not one whose step in flight decides its length or its sequences
-        ranked = sorted((r for r in self.running if not r.waits_for_step), key=self.policy_key)
+        ranked = sorted(filter(self._may_schedule, self.running), key=self.policy_key)
         left = lambda r: r.num_tokens_with_placeholders - r.num_computed_tokens
         decoding = [r for r in ranked if left(r) == 1]
         prefilling = [r for r in ranked if left(r) > 1]
@@ -401,20 +392,12 @@ class Scheduler:
         for row in out.scheduled:
             req = row.request
             tokens = [next(samples) for _ in range(req.num_seqs if row.do_sample else 0)]
-            if row.do_sample and self.config.async_scheduling:  # they land: no longer placeholders
-                req.num_output_placeholders -= 1
-                req.waits_for_step = False
             if req.status.finished:  # aborted after schedule(), or finished by the step before
                 continue  # (async: its extra row's tokens and K/V are dropped, its blocks freed)
             # kept: their K/V stays; the rest's is rolled back
             drafts = accepted_drafts.get(req.request_id, [])
-            rejected = len(row.spec_token_ids) - len(drafts)
-            if not self.config.async_scheduling:
-                req.num_computed_tokens += row.num_tokens - rejected
-            elif req.status != RequestStatus.WAITING:  # counted when scheduled: take back rejects
-                req.num_computed_tokens -= rejected  # (preempted by recompute: 0 already)
-            # (async: preempted while the step ran, it keeps its tokens; its blocks are gone or on
-            # the CPU)
+            self._count_computed(req, row, len(row.spec_token_ids) - len(drafts))
+            # (async: preempted while the step ran, it keeps its tokens; its blocks are gone)
             if req.status == RequestStatus.RUNNING:
                 # blocks that held only rejected drafts go back (not a cost every row pays)
                 if row.spec_token_ids:
@@ -431,6 +414,10 @@ class Scheduler:
                 if stop is not None:
                     self._finish(seq, stop)
         return touched
+
+    def _count_computed(self, req: Request, row: ScheduledRequest, rejected: int) -> None:
+        """The row's tokens have K/V now, but for `rejected` drafts."""
+        req.num_computed_tokens += row.num_tokens - rejected
 
     def fork(self, parent: Request) -> list[Request]:
         """Its prompt computed, an n-sample request forks: each other sample runs in a slot reserved

@@ -117,6 +117,7 @@ class LLM:
             for rid in ids:  # interrupted (e.g. Ctrl-C): do not leave requests holding blocks
                 if rid not in results:
                     self.engine.abort_request(rid)
+            self.engine.drain()  # async scheduling: the extra rows of requests that just finished
         return [results[rid] for rid in ids]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -157,6 +158,7 @@ class LLM:
             if bar is not None:
                 bar.close()
             search.abort()  # interrupted (e.g. Ctrl-C): no row left holding blocks
+            self.engine.drain()
         return [search.output(inst) for inst in search.instances]
 
     def stream(self, prompts, sampling_params=None, priority=None) -> Iterator[RequestOutput]:
@@ -174,6 +176,7 @@ class LLM:
         finally:
             for rid in remaining:
                 self.engine.abort_request(rid)
+            self.engine.drain()
 
 
 def _prompt_list(prompts) -> list:

@@ -15,17 +15,18 @@ import warnings
 import torch
 
 from ..config import EngineConfig
+from ..core.async_scheduler import scheduler_for
 from ..core.request import Request, RequestStatus
-from ..core.scheduler import Scheduler
 from ..model_executor.loader import LoadedModel, load_model
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..spec_decode.ngram_proposer import NgramProposer, propose_drafts
 from ..structured_output import StructuredOutputManager
-from ..trace import Trace
+from ..trace import StepTimes, Trace
 from ..worker.memory import resolve_config
-from ..worker.model_runner import ModelRunnerOutput
+from ..worker.model_runner import ModelRunnerOutput, host_inputs
 from ..worker.worker import Worker
+from .batch_queue import BatchQueue
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
 from .step_cost import calibrate_step_cost
@@ -58,7 +59,7 @@ class Engine:
         self.memory = worker.memory
         self.kv_cache = worker.kv_cache
         self.runner = worker.runner
-        self.scheduler = Scheduler(config)
+        self.scheduler = scheduler_for(config)
         self.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
         self.input_processor = InputProcessor(
             config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.model_name
@@ -71,12 +72,17 @@ class Engine:
         # structured outputs: grammars compiled off the loop, their requests held until ready
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self._next_id = 0  # for request ids chosen by the engine
+        # async scheduling: steps run on the executor's thread, one in flight (batch_queue.py);
+        # made after the step-cost calibration below, which times steps one at a time
+        self.batch_queue: BatchQueue | None = None
         self._num_added = 0  # arrival order (FIFO key)
         needs_step_cost = config.max_decode_slowdown is not None and config.step_cost is None
         if needs_step_cost:  # the scheduler's time target needs this machine's step times
             self.config = config = config.replace(step_cost=calibrate_step_cost(self))
-            self.scheduler = Scheduler(config)
+            self.scheduler = scheduler_for(config)
             log.info("minicb: measured this machine's step time: %r", config.step_cost)
+        if config.async_scheduling:
+            self.batch_queue = BatchQueue(self)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -129,11 +135,17 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (a no-op otherwise, and when called twice)."""
         self.structured.shutdown()
+        if self.batch_queue is not None:  # async scheduling: its thread finishes what it started
+            self.batch_queue.shutdown()
         if self.tp is not None:
             self.tp.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.structured.waiting)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self.structured.waiting)
+            or (self.batch_queue is not None and self.batch_queue.in_flight is not None)
+        )
 
     def _fail(self, request_id: str, why: str) -> None:
         """Stop one sample whose own inputs broke this step; everything else keeps running."""
@@ -151,25 +163,57 @@ class Engine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns a RequestOutput for every request that got a token, and for
-        every request that finished without one since the last step (aborted)."""
-        t0 = time.perf_counter()
+        every request that finished without one since the last step (aborted). With async
+        scheduling the tokens are those of the step before, processed while this one runs."""
+        if self.batch_queue is not None:
+            return self.batch_queue.step()
+        times = StepTimes(schedule_start=time.perf_counter())
+        out = self._schedule(times)
+        h = host_inputs(out, self.config.block_size) if out.scheduled else None
+        times.launch = times.device_start = time.perf_counter()
+        bucket = width = None
+
+        def before_sampling():
+            times.forward_end = times.sample_start = time.perf_counter()
+
+        try:
+            result = self.runner.execute(out, h, before_sampling)
+            bucket, width = self.runner.last_graph_bucket, self.runner.last_graph_width
+        except Exception as e:  # the forward pass itself failed: its rows cannot be told apart
+            result = self._failed_step(out, e)
+        times.device_end = time.perf_counter()
+        return self._process(out, result, times, bucket, width)
+
+    def drain(self) -> list[RequestOutput]:
+        """Async scheduling: process the step in flight and launch no other (LLM.generate ends with
+        it, so no device work outlives it). Returns its outputs; [] with synchronous steps."""
+        return self.batch_queue.drain() if self.batch_queue is not None else []
+
+    def _schedule(self, times: StepTimes):
         if self.structured.waiting:  # structured outputs: queue the requests whose grammar is ready
             self.structured.queue_ready(self.scheduler)
         out = self.scheduler.schedule()
         for rid in out.admitted:
             req = self.scheduler.requests[rid]
             if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = t0
-        try:
-            result = self.runner.execute(out)
-        except Exception as e:  # the forward pass itself failed: its rows cannot be told apart
-            log.exception(
-                "step %d failed; stopping the %d requests it ran", out.step, len(out.scheduled)
-            )
-            result = ModelRunnerOutput(
-                [None] * sum(r.request.num_seqs for r in out.scheduled if r.do_sample),
-                errors={row.request.request_id: e for row in out.scheduled},
-            )
+                req.metrics.first_scheduled_time = times.schedule_start
+        return out
+
+    def _failed_step(self, out, e: Exception) -> ModelRunnerOutput:
+        log.error(
+            "step %d failed; stopping the %d requests it ran",
+            out.step,
+            len(out.scheduled),
+            exc_info=e,
+        )
+        return ModelRunnerOutput(
+            [None] * sum(r.request.num_seqs for r in out.scheduled if r.do_sample),
+            errors={row.request.request_id: e for row in out.scheduled},
+        )
+
+    def _process(self, out, result, times: StepTimes, bucket, width, row_tables=None):
+        """After the model ran: update the scheduler, then text, stop strings and outputs."""
+        times.outputs_start = time.perf_counter()
         for rid, e in result.errors.items():  # those samples stop here; update() drops their tokens
             self._fail(rid, f"{type(e).__name__}: {e}")
         self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
@@ -191,20 +235,25 @@ class Engine:
             # more than one when drafts were accepted: they come out together
             for _ in range(req.num_new_tokens):
                 req.metrics.record_token(now)
+        times.detokenize_s = time.perf_counter() - now
         finished = self.scheduler.take_finished()
         if self.proposer is not None:  # drafts for the next step (spec_decode.py)
             propose_drafts(self.proposer, touched, finished)
+        outputs = self.output_processor.make_outputs(touched, finished)
+        times.outputs_end = time.perf_counter()
         if self.config.record_trace:
             self.trace.record(
                 self.scheduler,
                 out,
                 finished,
-                self.runner.last_graph_bucket,
-                now - t0,
-                self.runner.last_graph_width,
+                bucket,
+                times.outputs_end - times.schedule_start,
+                width,
                 result.accepted_drafts,
+                times,
+                row_tables,
             )
-        return self.output_processor.make_outputs(touched, finished)
+        return outputs
 
     def _add_tokens(self, req: Request, logprobs) -> None:
         """Hand the step's new tokens to the output processor, one by one: the first that completes

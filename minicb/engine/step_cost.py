@@ -28,6 +28,7 @@ engine in a test gets its numbers given, so that its schedule is the same on eve
 import torch
 
 from ..config import StepCost
+from ..core.async_scheduler import scheduler_for
 from ..core.scheduler import Scheduler
 from ..sampling_params import SamplingParams
 from ..trace import Trace
@@ -63,6 +64,7 @@ def calibrate_step_cost(engine, seed: int = 0) -> StepCost:
         max_decode_slowdown=None,
         record_trace=True,
         enable_prefix_caching=True,
+        async_scheduling=False,  # each step timed alone (the engine runs them so until it is done)
     )
     counters = (engine._next_id, engine._num_added)  # request ids and arrival order: restored
     engine.scheduler = Scheduler(calib)
@@ -105,7 +107,7 @@ def calibrate_step_cost(engine, seed: int = 0) -> StepCost:
     y = torch.tensor([[t] for t in fastest.values()], dtype=torch.float64)
     fit = torch.linalg.lstsq(x, y).solution.flatten().clamp(min=0).tolist()
     # back to the engine's own scheduler and trace, untouched by the calibration
-    engine.scheduler = Scheduler(config)
+    engine.scheduler = scheduler_for(config)
     engine.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
     engine._next_id, engine._num_added = counters
     return StepCost(*fit)

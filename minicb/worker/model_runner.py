@@ -152,8 +152,12 @@ class ModelRunner:
         return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.logits_indices
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: block copies, one forward pass, sampling (see ModelRunnerOutput)."""
+    def execute(
+        self, out: SchedulerOutput, h: HostInputs | None = None, before_sampling=None
+    ) -> ModelRunnerOutput:
+        """Run one step: block copies, one forward pass, sampling (see ModelRunnerOutput). `h`: its
+        host inputs, if already built; `before_sampling`: called once the logits are ready (async
+        scheduling waits there until the step before has been processed)."""
         # Block copies first, in this order: a block swapped out this step may be handed to another
         # request below, and a copy-on-write source freed this step may be the target of a swap-in.
         self.kv_cache.swap_out(out.blocks_to_swap_out)
@@ -162,7 +166,8 @@ class ModelRunner:
         self.last_graph_bucket = self.last_graph_width = None
         result = ModelRunnerOutput()
         rows = out.scheduled
-        h = host_inputs(out, self.config.block_size) if rows else None
+        if h is None and rows:
+            h = host_inputs(out, self.config.block_size)
         if self.tp is not None:  # every worker does the same block copies and forward on its shard
             self.tp.step(out, h)
         if not rows:
@@ -184,6 +189,8 @@ class ModelRunner:
             logits = self.model.compute_logits(
                 hidden[torch.tensor(logits_indices, device=self.device)]
             )
+        if before_sampling is not None:
+            before_sampling()
         # (num_logits, vocab): one row per sampling row, k + 1 for a row verifying k drafts. Its
         # last one samples.
         last = [

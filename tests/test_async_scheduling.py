@@ -1,0 +1,195 @@
+"""Async scheduling (vLLM V1's `async_scheduling`): step N+1 is scheduled and launched before step
+N's sampled tokens reach the engine's thread, fed from them by the executor, and step N's outputs
+are processed while N+1 runs. Everything a request gets must be what synchronous steps give it:
+float64 tiny models, the same tokens, samples, logprobs and texts. (test_parity.py runs the
+transformers parity configurations with it too.)"""
+
+import pytest
+import torch
+
+from minicb import Engine, EngineConfig, SamplingParams
+from minicb.core.scheduler_output import PLACEHOLDER_TOKEN_ID
+from minicb.model_executor.loader import load_model
+from minicb.model_executor.tiny_models import save_byte_tokenizer, save_tiny_model
+from minicb.worker.executor import fill_placeholders
+from minicb.worker.model_runner import host_inputs
+
+PROMPTS = [f"request {i}: " + "abcdefgh"[: i % 8] * (1 + i % 5) for i in range(10)]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bytes")
+    save_tiny_model(path, vocab_size=264, eos_token_id=256, seed=5)
+    save_byte_tokenizer(path)
+    return load_model(path, dtype=torch.float64)
+
+
+def engine(loaded, **config) -> Engine:
+    base = dict(model=loaded.name, dtype="float64", block_size=4, num_blocks=256, max_num_seqs=6)
+    return Engine(EngineConfig(**base | {"max_num_batched_tokens": 24} | config), loaded)
+
+
+def run(eng: Engine, requests, check_books: bool = True) -> list:
+    """Add (prompt, params) pairs, step to the end checking the block manager's books; the finished
+    outputs in order."""
+    ids = [eng.add_request(p, params) for p, params in requests]
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            assert o.request_id not in done, f"{o.request_id} got an output after it finished"
+            if o.finished:
+                done[o.request_id] = o
+        if check_books:
+            eng.scheduler.block_manager.check_invariants()
+    assert eng.scheduler.block_manager.num_used_blocks == 0, "blocks leaked"
+    return [done[i] for i in ids]
+
+
+def rounded(logprobs) -> list | None:
+    """Logprobs to 1e-9: float64 sums in another batch round differently in the last bits."""
+    if logprobs is None:
+        return None
+    return [{t: (round(lp.logprob, 9), lp.rank) for t, lp in step.items()} for step in logprobs]
+
+
+def summary(outputs) -> list:
+    """What a user sees of each output: per sample, tokens, text, finish reason, logprobs."""
+    return [
+        [
+            (c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, rounded(c.logprobs))
+            for c in o.outputs
+        ]
+        for o in outputs
+    ]
+
+
+def mixed_requests() -> list:
+    """Greedy and seeded, n > 1, stop strings, penalties, logprobs, a JSON constraint."""
+    p = SamplingParams
+    kinds = [
+        p(max_tokens=17, temperature=0),
+        p(max_tokens=12, temperature=1.0, seed=3),
+        p(n=3, max_tokens=9, temperature=0.9, seed=11),
+        p(max_tokens=30, temperature=1.0, seed=7, stop=["a", "e"]),
+        p(max_tokens=14, temperature=0.8, seed=2, repetition_penalty=1.3, frequency_penalty=0.5),
+        p(max_tokens=10, temperature=1.0, seed=4, logprobs=3),
+        p(max_tokens=24, temperature=1.0, seed=9, structured_outputs={"json": SCHEMA}),
+        p(max_tokens=8, temperature=0, min_tokens=6),
+        p(n=2, max_tokens=6, temperature=0),
+        p(max_tokens=20, temperature=1.0, seed=1, stop=["b"], include_stop_str_in_output=True),
+    ]
+    return list(zip(PROMPTS, kinds))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"num_blocks": 40, "preemption_mode": "recompute"},
+        {"num_blocks": 40, "preemption_mode": "swap"},
+        {"num_blocks": 48, "scheduling_policy": "priority"},
+        {"max_num_batched_tokens": 5},
+    ],
+    ids=["roomy", "recompute", "swap", "priority", "tiny_budget"],
+)
+def test_async_gives_what_sync_gives(loaded, config):
+    sync = run(engine(loaded, **config), mixed_requests())
+    eng = engine(loaded, async_scheduling=True, **config)
+    got = run(eng, mixed_requests())
+    assert summary(got) == summary(sync)
+    fed = eng.batch_queue.executor.num_placeholders
+    assert fed > 0, "no step was fed a token from the step before"
+    if config.get("num_blocks", 256) <= 40:
+        assert any(s.preempted or s.swapped_out for s in eng.trace), "nothing was preempted"
+    eng.shutdown()
+
+
+def test_a_finished_request_extra_row_leaks_no_token_and_no_block(loaded):
+    """A request that stops at step N was already scheduled for step N+1 (its token was not known).
+    That row runs, its token is dropped, its blocks are freed once."""
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    (free_run,) = run(engine(loaded), [(PROMPTS[3], greedy)])
+    tokens = free_run.outputs[0].token_ids
+    stop_at = 4  # its 5th token becomes a stop token: it finishes in the step that samples it
+    params = SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[tokens[stop_at]]
+    )
+    eng = engine(loaded, async_scheduling=True)
+    (out,) = run(eng, [(PROMPTS[3], params)])
+    first = tokens.index(tokens[stop_at])  # the stop token may come earlier
+    assert out.outputs[0].token_ids == tokens[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    rid = out.request_id
+    rows = [(s.step, r) for s in eng.trace for r in s.rows if r.request_id == rid]
+    finish_steps = [s.step for s in eng.trace if rid in s.finished]
+    assert len(finish_steps) == 1, "finished (and freed) more than once"
+    extra = [step for step, r in rows if step > finish_steps[0]]
+    assert extra == [finish_steps[0] + 1], "no extra row ran: the test did not test it"
+    assert eng.scheduler.block_manager.num_free_blocks == eng.config.num_blocks
+    eng.shutdown()
+
+
+def test_abort_while_a_step_is_in_flight(loaded):
+    eng = engine(loaded, async_scheduling=True)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    a, b = eng.add_request(PROMPTS[1], params), eng.add_request(PROMPTS[2], params)
+    for _ in range(4):
+        eng.step()
+    assert eng.batch_queue.in_flight is not None
+    last = eng.abort_request(a)
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    seen = len(last.outputs[0].token_ids)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    # step() reports an abort once more (as with synchronous steps), with no token added
+    late = [o.outputs[0].token_ids for o in outs if o.request_id == a]
+    assert all(len(t) == seen for t in late), "the aborted request got a token after its abort"
+    (done,) = [o for o in outs if o.finished and o.request_id == b]
+    assert len(done.outputs[0].token_ids) == 30 and seen < 30
+    eng.scheduler.block_manager.check_invariants()
+    assert eng.scheduler.block_manager.num_used_blocks == 0
+    eng.shutdown()
+
+
+def test_the_steps_overlap_in_the_trace(loaded):
+    """The pipeline's order, read from each step's times: step N+1 is launched before step N's
+    outputs are processed, and samples only after they are (it waits for them)."""
+    eng = engine(loaded, async_scheduling=True)
+    run(eng, [(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for p in PROMPTS])
+    steps = [s for s in eng.trace if s.rows]
+    pairs = list(zip(steps, steps[1:]))
+    assert len(pairs) > 5
+    for before, after in pairs:
+        assert after.times.launch <= before.times.outputs_start
+        assert after.times.sample_start >= before.times.outputs_end or not any(
+            r.sampled for r in after.rows
+        )
+        assert after.times.device_start >= before.times.device_end  # one device, in order
+    eng.shutdown()
+
+
+def test_placeholders_are_filled_from_the_step_before(loaded):
+    eng = engine(loaded, async_scheduling=True)
+    eng.add_request("hi", SamplingParams(max_tokens=5, temperature=0))
+    eng.step()  # the prompt, in flight
+    out = eng.scheduler.schedule()  # its first decode, scheduled before the prompt's token landed
+    (row,) = out.scheduled
+    assert row.token_ids == [PLACEHOLDER_TOKEN_ID] and not row.is_prefill
+    h = host_inputs(out, eng.config.block_size)
+    rid = row.request.request_id
+    assert fill_placeholders(out, h, {rid: 42}) == 1 and h.input_ids == [42]
+    eng.shutdown()
+
+
+def test_drafts_are_refused_with_a_reason():
+    with pytest.raises(ValueError, match="async_scheduling=True does not work with speculative"):
+        EngineConfig(
+            num_blocks=8,
+            async_scheduling=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
+    with pytest.raises(ValueError, match="async_scheduling must be True or False"):
+        EngineConfig(num_blocks=8, async_scheduling="yes")
