@@ -4,8 +4,13 @@ are processed while N+1 runs. Everything a request gets must be what synchronous
 float64 tiny models, the same tokens, samples, logprobs and texts. (test_parity.py runs the
 transformers parity configurations with it too.)"""
 
+import asyncio
+import json
+
+import httpx
 import pytest
 import torch
+from serving import serve
 
 from minicb import Engine, EngineConfig, SamplingParams
 from minicb.core.scheduler_output import PLACEHOLDER_TOKEN_ID
@@ -193,3 +198,34 @@ def test_drafts_are_refused_with_a_reason():
         )
     with pytest.raises(ValueError, match="async_scheduling must be True or False"):
         EngineConfig(num_blocks=8, async_scheduling="yes")
+
+
+def test_a_server_with_async_scheduling_streams_the_same_tokens(loaded):
+    """Over HTTP: concurrent completions (half of them streamed) through an engine with async
+    scheduling give the offline engine's tokens, and the server ends idle with no block held."""
+    prompts = [f"p{i} " + "xyz" * i for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in run(engine(loaded), [(p, params) for p in prompts])]
+
+    async def one(client, prompt, stream):
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        if not stream:
+            return (await client.post("/v1/completions", json=body)).json()["choices"][0][
+                "token_ids"
+            ]
+        ids = []
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0]["token_ids"]
+        return ids
+
+    async def all_at_once(url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            calls = [one(client, p, i % 2 == 0) for i, p in enumerate(prompts)]
+            return await asyncio.wait_for(asyncio.gather(*calls), timeout=60)
+
+    with serve(loaded, async_scheduling=True, block_size=4, num_blocks=256) as s:
+        assert asyncio.run(all_at_once(s.url)) == expected
+        s.wait_idle()
+        assert s.engine.batch_queue.executor.num_placeholders > 0

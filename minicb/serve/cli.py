@@ -138,6 +138,13 @@ def add_engine_arguments(parser, max_num_seqs: int = 32, max_decode_slowdown: fl
     )
     parser.add_argument("--use-cuda-graph", default="auto", choices=["auto", "true", "false"])
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="vLLM V1's switch: schedule the next step while this one runs, feed it this step's "
+        "tokens, process outputs one step behind (engine/batch_queue.py; not with drafts)",
+    )
+    parser.add_argument(
         "--speculative-config",
         type=json.loads,
         default=None,
@@ -171,6 +178,7 @@ def engine_config(args, model: str | None = None):
         enable_prefix_caching=args.enable_prefix_caching,
         use_cuda_graph=graphs,
         speculative_config=args.speculative_config,
+        async_scheduling=args.async_scheduling,
         max_decode_slowdown=args.max_decode_slowdown or None,  # 0: off
         step_cost=args.step_cost,
     )
