@@ -309,6 +309,74 @@ def test_padded_rows_write_only_the_sink(loaded):
     check_padded_rows_write_only_the_sink(runner, graphs)
 
 
+# ---------------------------------------------------------------------------------- verify rows
+SPEC = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+
+
+def verify_batch(context_lens, num_drafts, block_size, num_blocks, seed=0) -> SchedulerOutput:
+    """A decode-only step whose row i verifies num_drafts[i] drafts: one row of 1 + drafts tokens
+    ending at position context_lens[i] - 1."""
+    r = random.Random(seed)
+    free = r.sample(range(num_blocks), sum(-(-c // block_size) for c in context_lens))
+    rows = []
+    for i, (ctx, d) in enumerate(zip(context_lens, num_drafts)):
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        prompt = [r.randrange(128) for _ in range(ctx - d)]  # its newest token at ctx - d - 1
+        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=8))
+        drafts = [r.randrange(128) for _ in range(d)]
+        rows.append(ScheduledRequest(req, ctx - d - 1, 1 + d, False, True, table, i, drafts))
+    return SchedulerOutput(step=1, scheduled=rows, num_batched_tokens=sum(num_drafts) + len(rows))
+
+
+@pytest.mark.parametrize("backend", ["gather", "flash_pages"])
+def test_uniform_verify_batches_replay_their_own_graphs(loaded, backend):
+    """With drafts, a graph per (rows, width) also for uniform verify batches (every row 1 + k
+    tokens, vLLM's uniform_decode_query_len); they match eager mode, pad with rows that write only
+    the sink, and a batch of mixed draft counts runs eagerly."""
+    runner, graphs = make_runner(
+        loaded,
+        block_size=4,
+        num_blocks=300,
+        max_num_seqs=16,
+        max_model_len=60,
+        speculative_config=SPEC,
+        attention_backend=backend,
+    )
+    assert graphs.verify_query_len == 3 and sorted(graphs.verify_graphs) == sorted(graphs.graphs)
+    assert graphs.input_ids.shape == (16 * 3,) and graphs.context_lens.shape == (16,)
+    assert "of 3-token rows" in repr(graphs)
+    r, kv = random.Random(2), runner.kv_cache
+    for size in [1, 3, 5, 16]:
+        lens = [r.randint(3, 60) for _ in range(size)]
+        out = verify_batch(lens, [2] * size, 4, 300, seed=size)
+        graph, eager = graph_and_eager_logits(runner, graphs, out)
+        assert (graphs.last_bucket, graphs.last_query_len) == (graphs.bucket_for(size), 3)
+        assert graph.shape == eager.shape == (3 * size, 128)
+        torch.testing.assert_close(graph, eager, rtol=0, atol=1e-10)
+    one_token = decode_batch([9, 30], 4, 300)
+    graph, eager = graph_and_eager_logits(runner, graphs, one_token)
+    assert graphs.last_query_len == 1
+    torch.testing.assert_close(graph, eager, rtol=0, atol=1e-10)
+    mixed = verify_batch([9, 30, 12], [2, 0, 1], 4, 300)
+    assert not graphs.can_run(mixed), "mixed query lengths: eager, as vLLM runs them"
+    with pytest.raises(ValueError, match="eagerly"):
+        graphs.run(mixed)
+    # padding of a verify graph: 3 live rows in the 4-row bucket
+    out = verify_batch([9, 2 + 3, 17], [2, 2, 2], 4, 300, seed=5)
+    with torch.inference_mode():
+        kv.k.normal_()
+        kv.v.normal_()
+        k0, v0 = kv.k.clone(), kv.v.clone()
+        graphs.run(out)
+    changed = ((kv.k != k0) | (kv.v != v0)).flatten(1, 2).flatten(2).any(-1).any(0)
+    live = [
+        row.block_table[p // 4] * 4 + p % 4
+        for row in out.scheduled
+        for p in range(row.start, row.start + row.num_tokens)
+    ]
+    assert changed.nonzero().flatten().tolist() == sorted(live + [kv.sink_loc])
+
+
 # ---------------------------------------------------------------------------------- parity
 # llama: plain GQA; qwen3: q/k norms and head_dim != hidden_size / num_heads (qwen2 adds nothing
 # here)

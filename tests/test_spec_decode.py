@@ -404,7 +404,8 @@ def test_requests_that_cannot_speculate_run_without_drafts(loaded):
     )
 
 
-def test_verification_runs_inside_emulated_cuda_graphs(loaded):
+@pytest.mark.parametrize("backend", ["gather", "flash_pages"])
+def test_verification_runs_inside_emulated_cuda_graphs(loaded, backend):
     eager, _ = generate(loaded, block_size=4, num_blocks=200)
     tokens, eng = generate(
         loaded,
@@ -414,6 +415,7 @@ def test_verification_runs_inside_emulated_cuda_graphs(loaded):
         use_cuda_graph=True,
         speculative_config=SPEC,
         oracle_spoil=lambda c: [None, 1][c % 2],
+        attention_backend=backend,
     )
     assert tokens == eager
     graphed = [
