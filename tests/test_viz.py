@@ -716,3 +716,39 @@ def test_the_width_cost_figure_uses_the_engines_width_buckets():
     from minicb.worker.cuda_graph import width_buckets
 
     assert all(_powers(n) == width_buckets(n) for n in range(1, 300))
+
+
+PARTS_DRAWN = [
+    ("host", "schedule"),
+    ("host", "outputs"),
+    ("device", "forward"),
+    ("device", "sample"),
+]
+
+
+def test_engine_loop_timeline_draws_each_part_where_its_times_say():
+    """Hand-made StepTimes (ms): the bars of each lane sit where the times put them, clipped to the
+    window from the first shown step's forward pass to the last one's end."""
+    from minicb.trace import RowRecord, StepRecord, StepTimes, Trace
+    from minicb.viz.timeline import engine_loop_timeline
+
+    def record(step, *ms):
+        t = StepTimes(*(x / 1e3 for x in ms))
+        rows = [RowRecord("a", 0, step, 1, False, True)]
+        return StepRecord(step, rows, {}, 0, 0, 0, 1, 0, 1, 0, times=t)
+
+    trace = Trace(1, 4, 16)
+    # schedule, launch, device start, forward end, sample start, device end, outputs start, end
+    trace.steps = [record(1, 0, 1, 1, 9, 9, 10, 10, 12), record(2, 12, 13, 13, 21, 21, 22, 22, 24)]
+    fig = engine_loop_timeline({"sync": trace}, first=0, count=2)
+    bars = {p.get_gid(): p for p in fig.axes[0].patches if p.get_gid()}
+    drawn = {f"sync:{lane}:{part}:{s}" for s in (1, 2) for lane, part in PARTS_DRAWN}
+    # step 1's schedule (0-1 ms) and step 2's outputs (22-24 ms) fall outside the window; no "wait":
+    # sampling started when the forward pass ended
+    assert set(bars) == drawn - {"sync:host:schedule:1", "sync:host:outputs:2"}
+    forward = bars["sync:device:forward:2"]
+    assert (forward.get_x(), forward.get_width()) == pytest.approx((12.0, 8.0))
+    outputs = bars["sync:host:outputs:1"]
+    assert (outputs.get_x(), outputs.get_width()) == pytest.approx((9.0, 2.0))
+    with pytest.raises(ValueError, match="2 timed steps with rows"):
+        engine_loop_timeline({"sync": trace}, first=1, count=2)

@@ -1,4 +1,4 @@
-"""`python -m minicb bench --workload w1|w2|w3|spec|all`: run the workloads defined in
+"""`python -m minicb bench --workload w1|w2|w3|spec|loop|all`: run the workloads defined in
 minicb/bench/__init__.py."""
 
 import json
@@ -10,10 +10,11 @@ def add_arguments(parser) -> None:
     """Options of `python -m minicb bench`."""
     parser.add_argument(
         "--workload",
-        choices=["w1", "w2", "w3", "spec", "all"],
+        choices=["w1", "w2", "w3", "spec", "loop", "all"],
         default="w3",
         help="w1: CPU chat side by side; w2: GPU offline (needs CUDA); w3: scheduler overhead; "
-        "spec: speculative decoding on and off, on C1 (copy-heavy) and W1",
+        "spec: speculative decoding on and off, on C1 (copy-heavy) and W1; loop: the engine "
+        "loop, sync against async scheduling, on W1 and W3's shape",
     )
     parser.add_argument(
         "--sizes",
@@ -48,7 +49,10 @@ def add_arguments(parser) -> None:
         "--figures-dir", default="figures", help="W1: where the comparison figure goes"
     )
     parser.add_argument(
-        "--repeats", type=int, default=2, help="spec: runs of each system, alternating (default 2)"
+        "--repeats",
+        type=int,
+        default=2,
+        help="spec, loop: runs of each system, alternating (default 2)",
     )
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
 
@@ -104,6 +108,11 @@ def main(args) -> None:
 
         results["spec"] = run_spec_bench(repeats=args.repeats)
         print_spec(results["spec"])
+    if args.workload in ("loop", "all"):
+        from .loop import print_loop, run_loop_bench
+
+        results["loop"] = run_loop_bench(repeats=args.repeats)
+        print_loop(results["loop"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

@@ -14,6 +14,8 @@ Time runs left to right in steps everywhere, and a request keeps its colour in e
             separate requests; block_kinds / count_kinds: the same from a trace, as data
   processes engine_core_processes: the API-server process and the engine-core process, and the
             messages on the pipe between them (no trace: a diagram of minicb/serve/engine_core.py)
+  timeline  engine_loop_timeline: the host's and the device's work step by step in time, from each
+            step's StepTimes (synchronous steps against async scheduling)
   widgets   step_through: a slider over the steps (ipywidgets), or the static figure headless
   figures   FIGURES, the registry behind `python -m minicb figures` (imported on its own, not here;
             notebook 02's figures live in figures_blocks)
@@ -30,6 +32,7 @@ from .processes import engine_core_processes
 from .sampling import KINDS, block_kinds, count_kinds, fork_map
 from .slots import compare_slot_occupancy, slot_occupancy, utilization_curves
 from .style import CACHED, request_colors
+from .timeline import engine_loop_timeline
 from .widgets import step_through
 
 __all__ = [
@@ -54,4 +57,5 @@ __all__ = [
     "count_kinds",
     "fork_map",
     "engine_core_processes",
+    "engine_loop_timeline",
 ]
