@@ -1,6 +1,11 @@
 #!/bin/bash
-# The device check of issue 11, as run on an NVIDIA H200 on 2026-11-26 (results: figures/gpu_h200_2026-11-26.jsonl).
-# Not run by CI. On a GPU machine: LIMIT=seconds STAGES="tests attention w2 latency profile hf" .ci/gpu_check.sh
+# The device check (issues 11 and 32), last run on an NVIDIA H200 on 2026-11-26 (figures/gpu_h200_2026-11-26.jsonl).
+# Not run by CI. On a GPU machine: LIMIT=seconds STAGES="tests attention w2 idle latency profile hf" .ci/gpu_check.sh
+# Copy $OUT/results.jsonl to figures/gpu_<gpu>_<date>.jsonl, and name the GPU with every figure quoted.
+#   tests      the GPU tests (graphs, flash pages, verify rows of 1 + k queries, async scheduling)
+#   attention  one layer's decode attention against one read of the K/V (the read floor)
+#   w2         W2 with the defaults and with async scheduling, in one run (issue 32: >= 1.15x)
+#   idle       GPU idle between decode steps at batch 256, sync and async (issue 32: < 5% async)
 # One device session: tests, then benchmarks, each bounded by what is left of the call's time.
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 T0=$(date +%s); LIMIT=${LIMIT:-570}
@@ -16,12 +21,13 @@ stage() {  # stage NAME MAXSECONDS command...
 }
 nvidia-smi -L
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name()); print(torch.ops.aten._flash_attention_forward.default._schema)"
-for s in ${STAGES:-tests attention latency w2 profile hf}; do
+for s in ${STAGES:-tests attention w2 idle latency profile hf}; do
   case $s in
     tests) TAIL=60 stage tests 150 python3 -m pytest -q -m "gpu and not slow" tests/test_gpu.py -s -p no:cacheprovider -o addopts="" ;;
     attention) stage attention 60 python3 -m minicb.bench.w2 --workload attention --json $OUT/results.jsonl ;;
     latency) stage latency 120 python3 -m minicb.bench.w2 --workload latency --json $OUT/results.jsonl ;;
-    w2) stage w2 ${W2_MAX:-260} python3 -m minicb.bench.w2 --workload w2 --competitors ${W2_COMPETITORS:-defaults eager gather tuned block512 block128 hf} --json $OUT/results.jsonl ;;
+    w2) stage w2 ${W2_MAX:-200} python3 -m minicb.bench.w2 --workload w2 --competitors ${W2_COMPETITORS:-defaults async eager} --json $OUT/results.jsonl ;;
+    idle) stage idle 90 python3 -m minicb.bench.w2 --workload idle --json $OUT/results.jsonl ;;
     profile) stage profile 80 python3 -m minicb.bench.w2 --workload profile --json $OUT/results.jsonl ;;
     hf) stage hf 260 python3 -m minicb.bench.w2 --workload w2 --competitors hf --json $OUT/results.jsonl ;;
   esac

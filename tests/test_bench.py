@@ -284,3 +284,29 @@ def test_w1_table_prints_the_kernels_floor_and_the_ratio_it_allows(capsys):
         "minicb vs transformers, continuous batching: 2.6x (batched as fully, these kernels allow "
         "at most 4.0x)" in out
     )
+
+
+def test_busy_union_counts_overlapping_kernels_once():
+    """The GPU idle share (bench --workload idle) is the window minus this union."""
+    from minicb.bench.gpu_step import busy_union_us
+
+    assert busy_union_us([]) == 0
+    assert busy_union_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert busy_union_us([(20, 25), (0, 10), (10, 11)]) == 16
+
+
+def test_loop_shares_from_step_times():
+    """bench --workload loop: host share and device idle from hand-made StepTimes (seconds)."""
+    from minicb.bench.loop import loop_shares
+    from minicb.trace import RowRecord, StepRecord, StepTimes
+
+    def record(step, *t):
+        rows = [RowRecord("a", 0, step, 1, False, True)]
+        return StepRecord(step, rows, {}, 0, 0, 0, 1, 0, 1, 0, times=StepTimes(*t))
+
+    # schedule, launch, device start, forward end, sample start, device end, outputs start, end
+    steps = [record(1, 0, 1, 1, 8, 8, 9, 9, 10), record(2, 10, 11, 11, 18, 18, 19, 19, 20)]
+    shares = loop_shares(steps, wall_s=20)
+    assert shares["host_share"] == pytest.approx(4 / 20)  # 1 + 1 per step
+    assert shares["device_idle_share"] == pytest.approx(2 / 20)  # 9 -> 11
+    assert shares["forward_ms"] == pytest.approx(7000) and shares["steps"] == 2

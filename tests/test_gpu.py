@@ -193,3 +193,16 @@ def test_w2_random_qwen3_graphs_beat_eager():
         "most W2 steps should be decode-only graph replays"
     )
     assert g > e
+
+
+def test_real_graphs_with_verify_rows_and_async_scheduling_match_transformers(tiny):
+    """Issue 32 on a GPU: drafts verified as one multi-query row each, through real graphs of
+    uniform verify batches; and async scheduling (the step in flight feeds the next) with graphs."""
+    _, loaded, refs = tiny
+    config = dict(block_size=16, num_blocks=64, device="cuda", use_cuda_graph=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    tokens, engine = generate(loaded, speculative_config=spec, **config)
+    assert tokens == refs and engine.runner.graph_runner.verify_graphs
+    tokens, engine = generate(loaded, async_scheduling=True, **config)
+    assert tokens == refs and engine.batch_queue.executor.num_placeholders > 0
+    engine.shutdown()

@@ -4,13 +4,16 @@ where the GPU time of a whole eager step goes (torch.profiler), for each decode 
     python -m minicb.bench.w2 --workload attention    # gather vs flash pages vs one read of the K/V
     python -m minicb.bench.w2 --workload profile      # GPU time split: gather / attention / matmul
     / other
+    python -m minicb.bench.w2 --workload idle         # GPU idle between decode steps, sync / async
 """
 
 import random
+import time
 
 import torch
 
 from ..engine.llm import LLM
+from ..sampling_params import SamplingParams
 from .gpu import _decode_batch, _load, free_gpu, require_cuda
 
 
@@ -175,3 +178,73 @@ def profile_decode_step(
     del llm, runner
     free_gpu()
     return result
+
+
+def busy_union_us(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by at least one of the (start, end) intervals."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
+def device_idle(
+    model_path: str | None = None,
+    *,
+    dtype: str = "bfloat16",
+    batch: int = 256,
+    prompt_len: int = 128,
+    steps: int = 30,
+    loaded=None,
+    **config,
+) -> dict:
+    """The GPU's idle share between decode steps at `batch` rows (issue 32's target: under 5% with
+    async scheduling): `steps` engine steps of `batch` decoding requests, profiled (torch.profiler);
+    idle = the window from the first kernel to the last minus the time some kernel runs."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    require_cuda("device_idle")
+    loaded = _load(model_path, loaded, dtype)
+    llm = LLM.from_loaded(
+        loaded, device="cuda", dtype=dtype, max_num_seqs=batch, record_trace=False, **config
+    )
+    eng = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request([rng.randrange(loaded.vocab_size) for _ in range(prompt_len)], params)
+    while eng.scheduler.waiting or any(
+        r.num_output_tokens + r.num_output_placeholders < 2 for r in eng.scheduler.running
+    ):
+        eng.step()  # prefill everyone, then two decodes: the batch is all decodes from here
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    ]
+    window = max(end for _, end in kernels) - min(start for start, _ in kernels)
+    busy = busy_union_us(kernels)
+    for rid in list(eng.scheduler.requests):
+        eng.abort_request(rid)
+    eng.drain()
+    eng.shutdown()
+    del llm, eng
+    free_gpu()
+    return {
+        "batch": batch,
+        "async_scheduling": bool(config.get("async_scheduling")),
+        "steps": steps,
+        "ms_per_step": 1e3 * wall / steps,
+        "device_idle_share": 1 - busy / window,
+        "device": torch.cuda.get_device_name(),
+    }

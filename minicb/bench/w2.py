@@ -237,7 +237,7 @@ def main(argv=None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--workload", choices=("w2", "latency", "attention", "profile"), default="w2"
+        "--workload", choices=("w2", "latency", "attention", "profile", "idle"), default="w2"
     )
     parser.add_argument(
         "--model",
@@ -251,7 +251,8 @@ def main(argv=None) -> None:
         nargs="+",
         default=["defaults", "eager", "gather", "tuned", "hf"],
         help="W2: defaults (LLM with nothing set), eager (no graphs), gather (the padded decode), "
-        "tuned (max_num_seqs 512, 16384 tokens a step), block512, block128, "
+        "tuned (max_num_seqs 512, 16384 tokens a step), async (async_scheduling), block512, "
+        "block128, "
         "hf (transformers' continuous batching)",
     )
     parser.add_argument(
@@ -266,7 +267,7 @@ def main(argv=None) -> None:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    from .gpu_step import attention_benchmark, profile_decode_step
+    from .gpu_step import attention_benchmark, device_idle, profile_decode_step
 
     if args.workload == "attention":
         for row in attention_benchmark():
@@ -276,6 +277,10 @@ def main(argv=None) -> None:
     if args.workload == "profile":
         for backend in ("gather", "flash_pages"):
             emit(profile_decode_step(loaded=loaded, dtype=args.dtype, attention_backend=backend))
+        return
+    if args.workload == "idle":  # issue 32: under 5% of the step with async scheduling
+        for async_scheduling in (False, True):
+            emit(device_idle(loaded=loaded, dtype=args.dtype, async_scheduling=async_scheduling))
         return
     if args.workload == "latency":
         for row in decode_latency_by_bucket(dtype=args.dtype, loaded=loaded):
@@ -292,6 +297,7 @@ def main(argv=None) -> None:
         "eager": {"use_cuda_graph": False},
         "gather": {"attention_backend": "gather"},
         "tuned": {"max_num_seqs": 512, "max_num_batched_tokens": 16384},
+        "async": {"async_scheduling": True},
         "block512": {"block_size": 512},
         "block128": {"block_size": 128},
     }
