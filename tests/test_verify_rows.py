@@ -15,7 +15,11 @@ from minicb.core.scheduler import ScheduledRequest, SchedulerOutput
 from minicb.model_executor.attention import AttentionMetadata, paged_attention
 from minicb.model_executor.kv_quant import FP8, KVQuant
 from minicb.model_executor.loader import load_model, save_tiny_model
-from minicb.model_executor.paged_flash import page_pairs
+from minicb.model_executor.paged_flash import (
+    chunk_attention_reference,
+    page_pairs,
+    pairs_attention_reference,
+)
 from minicb.model_executor.ragged_attention import decode_groups
 from minicb.worker.model_runner import host_inputs
 
@@ -195,3 +199,34 @@ def test_a_verifying_row_reads_its_cache_once(runner, grouped):
         runner.model(input_ids, positions, kv, per_token)
     print(f"  one row per token: {reads.bytes / once:.2f} x context")
     assert reads.bytes == (1 + K) * once
+
+
+# ------------------------------------------------------------------------ on a GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flash_kernels_take_rows_of_several_queries():
+    """The CUDA flash kernels (pairs of Q queries, the rows' own tokens causal) against the padded
+    reference and the plain-PyTorch kernels, bfloat16, rows verifying 0..k drafts."""
+    k_cache, v_cache, q, k, v, tables, ctx, qlens = mixed_batch(0, 16, [0, 1, 2, 3, 4, 4, 2])
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    k_cache[-1], v_cache[-1] = 0.0, 0.0
+    k_cache, v_cache, q, k, v = (t.to(**bf) for t in (k_cache, v_cache, q, k, v))
+    nd, sink = 7, k_cache.shape[0] - 1
+    meta = AttentionMetadata.build(tables, ctx, qlens, nd, 16, sink, "cuda")
+    want = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE)
+    meta.pages = page_pairs(
+        meta.block_tables[:nd],
+        meta.context_lens[:nd],
+        16,
+        k_cache.shape[0] * 16,
+        meta.decode_query_len,
+        meta.query_start_loc[: nd + 1],
+        meta.decode_slots,
+    )
+    assert meta.pages.kernel.__name__ == "pairs_attention_flash"
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    meta.pages.kernel = pairs_attention_reference
+    meta.pages.chunk_kernel = chunk_attention_reference
+    ref = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -265,9 +265,9 @@ def _multi_query_pages(q, k_cache, v_cache, pairs: PagePairs, scale: float, k, v
         out = out.index_select(0, pairs.slots)
         lse = lse.index_select(0, pairs.slots)
         empty = empty.index_select(0, pairs.slots)
-    own, own_lse = pairs.chunk_kernel(
-        q, k[:num_tokens], v[:num_tokens], pairs.cu_seq_new, slots, scale
-    )
+    # the rows' own tokens, from this step's K/V (the kernel wants them contiguous)
+    own_k, own_v = k[:num_tokens].contiguous(), v[:num_tokens].contiguous()
+    own, own_lse = pairs.chunk_kernel(q.contiguous(), own_k, own_v, pairs.cu_seq_new, slots, scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     # (tokens, W + 1, H): each partial's share of the mass; the own chunk is never empty
     lse = torch.cat(
