@@ -102,7 +102,7 @@ class EngineConfig:
     speculative_config: object = None
     # Async scheduling (vLLM V1's name and default-off switch): schedule step N+1 and launch it
     # before step N's sampled tokens reach the host; N+1 feeds them from N's sampled tokens, and
-    # N's outputs are processed while N+1 runs (engine/async_step.py). Off: one step at a time
+    # N's outputs are processed while N+1 runs (engine/batch_queue.py). Off: one step at a time
     async_scheduling: bool = False
     seed: int = 0  # generator for sampled requests that carry no seed of their own
     record_trace: bool = True  # keep one StepRecord per step (notebooks); servers may turn it off

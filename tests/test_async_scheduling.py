@@ -16,7 +16,6 @@ from minicb import Engine, EngineConfig, SamplingParams
 from minicb.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from minicb.model_executor.loader import load_model
 from minicb.model_executor.tiny_models import save_byte_tokenizer, save_tiny_model
-from minicb.worker.executor import fill_placeholders
 from minicb.worker.model_runner import host_inputs
 
 PROMPTS = [f"request {i}: " + "abcdefgh"[: i % 8] * (1 + i % 5) for i in range(10)]
@@ -96,8 +95,9 @@ def mixed_requests() -> list:
         {"num_blocks": 40, "preemption_mode": "swap"},
         {"num_blocks": 48, "scheduling_policy": "priority"},
         {"max_num_batched_tokens": 5},
+        {"use_cuda_graph": True},  # emulated on a CPU: the placeholders written into its buffers
     ],
-    ids=["roomy", "recompute", "swap", "priority", "tiny_budget"],
+    ids=["roomy", "recompute", "swap", "priority", "tiny_budget", "graphs"],
 )
 def test_async_gives_what_sync_gives(loaded, config):
     sync = run(engine(loaded, **config), mixed_requests())
@@ -106,6 +106,8 @@ def test_async_gives_what_sync_gives(loaded, config):
     assert summary(got) == summary(sync)
     fed = eng.batch_queue.executor.num_placeholders
     assert fed > 0, "no step was fed a token from the step before"
+    if config.get("use_cuda_graph"):
+        assert any(s.graph_bucket for s in eng.trace), "no step replayed a graph"
     if config.get("num_blocks", 256) <= 40:
         assert any(s.preempted or s.swapped_out for s in eng.trace), "nothing was preempted"
     eng.shutdown()
@@ -172,7 +174,9 @@ def test_the_steps_overlap_in_the_trace(loaded):
         assert after.times.sample_start >= before.times.outputs_end or not any(
             r.sampled for r in after.rows
         )
-        assert after.times.device_start >= before.times.device_end  # one device, in order
+        # one device, in order: a step's forward pass starts once the step before has sampled (it
+        # need not wait for those tokens to reach the host)
+        assert after.times.device_start >= before.times.sample_start
     eng.shutdown()
 
 
@@ -185,7 +189,9 @@ def test_placeholders_are_filled_from_the_step_before(loaded):
     assert row.token_ids == [PLACEHOLDER_TOKEN_ID] and not row.is_prefill
     h = host_inputs(out, eng.config.block_size)
     rid = row.request.request_id
-    assert fill_placeholders(out, h, {rid: 42}) == 1 and h.input_ids == [42]
+    prev = (torch.tensor([7, 42, 9]), {"other": 0, rid: 1})  # the step before's sampled tokens
+    positions, tokens = eng.runner.fill_placeholders(out, h, prev)
+    assert positions.tolist() == [0] and tokens.tolist() == [42] and h.input_ids == [0]
     eng.shutdown()
 
 

@@ -207,3 +207,16 @@ def test_speculative_decoding_over_two_processes_gives_the_tokens_of_one(loaded)
         assert any(r.num_drafts for s in two.engine.trace for r in s.rows), "no draft was verified"
     finally:
         two.engine.shutdown()
+
+
+def test_async_scheduling_over_two_processes_gives_the_tokens_of_one(loaded):
+    """The step in flight feeds the next one's placeholders; the workers get the tokens themselves
+    (rank 0 reads them back before broadcasting the step)."""
+    one = LLM.from_loaded(loaded, **TIGHT)
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    two = LLM.from_loaded(loaded, tensor_parallel_size=2, async_scheduling=True, **TIGHT)
+    try:
+        got = [o.outputs[0].token_ids for o in two.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        assert got == expected and two.engine.batch_queue.executor.num_placeholders > 0
+    finally:
+        two.engine.shutdown()

@@ -267,10 +267,10 @@ class DecodeGraphRunner:
         self.block_tables[start:stop] = self.sink_block_id
 
     @torch.inference_mode()
-    def run(self, out, h=None) -> torch.Tensor:
+    def run(self, out, h=None, fill=None) -> torch.Tensor:
         """Copy the live batch in, pad to its graph, replay. Returns (num_tokens, vocab) logits, in
         row order (a verifying row of k drafts gives k + 1). `h`: the step's HostInputs, if
-        made."""
+        made; `fill`: (positions, tokens) to write over its input ids (async scheduling)."""
         bs = self.block_size
         # Host-side bookkeeping, outside the graph (Python values are fine here): the eager path's
         # lists.
@@ -293,6 +293,8 @@ class DecodeGraphRunner:
             return torch.tensor(x, dtype=torch.long)
 
         self.input_ids[:num_tokens].copy_(host(h.input_ids))
+        if fill is not None:  # async scheduling: tokens the step before sampled, on the device
+            self.input_ids[fill[0]] = fill[1]
         self.positions[:num_tokens].copy_(host(h.positions))
         self.cache_locs[:num_tokens].copy_(host(locs))
         self.context_lens[:num_rows].copy_(host(h.context_lens))

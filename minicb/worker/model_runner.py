@@ -22,6 +22,7 @@ import torch
 from ..config import cdiv
 from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
+from ..core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from ..model_executor.attention import AttentionMetadata
 from ..model_executor.paged_flash import page_pairs
 from ..model_executor.ragged_attention import decode_groups
@@ -49,6 +50,30 @@ class ModelRunnerOutput:
     errors: dict[str, Exception] = field(default_factory=dict)
     # id -> drafts kept, before its sampled token
     accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
+    # async scheduling: the sampled tokens on their way to the host (sampled_token_ids after
+    # to_host()), and the CUDA event of their copy
+    pending: object = None
+    pending_copied: object = None
+
+    def defer(self, tokens) -> None:
+        """Start the sampled tokens' copy to the host without waiting for it: on CUDA into pinned
+        memory on the step's stream, an event marking its end (vLLM V1's async output copy)."""
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            self.pending_copied = torch.cuda.Event()
+            self.pending_copied.record()
+            tokens = host
+        self.pending = tokens
+
+    def to_host(self) -> "ModelRunnerOutput":
+        """Wait for deferred tokens (for their copy, not later work on the device); list them."""
+        if self.pending is not None:
+            if self.pending_copied is not None:
+                self.pending_copied.synchronize()
+            self.sampled_token_ids += self.pending.tolist()
+            self.pending = self.pending_copied = None
+        return self
 
 
 @dataclass
@@ -108,6 +133,8 @@ class ModelRunner:
         # or "flash_pages": the engine picks (config.attention_backend)
         self.attention_backend = "gather"
         self.spec_stats = SpecDecodingStats()  # drafts verified and accepted (speculative decoding)
+        # the last step's sampled tokens on the device, {sequence id: index} (async scheduling)
+        self.last_sampled = None
         # rows and table columns of the last graph replayed
         self.last_graph_bucket = self.last_graph_width = None
 
@@ -151,13 +178,38 @@ class ModelRunner:
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
         return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.logits_indices
 
+    def fill_placeholders(self, out: SchedulerOutput, h: HostInputs, prev):
+        """Async scheduling: the input tokens that were placeholders when the step was scheduled
+        come from the step before's sampled tokens, on the device (vLLM V1: prev_sampled_token_ids).
+        `prev`: (that step's sampled tokens as a tensor, {sequence id: index in it}). Returns
+        (positions in input_ids, their tokens) as device tensors, or None. A placeholder of a
+        request missing from `prev` (its sampling failed, so it fails too) is fed token 0."""
+        positions, sources = [], []
+        for row, start in zip(out.scheduled, h.row_starts):
+            for j in range(start, start + row.num_tokens):
+                if h.input_ids[j] == PLACEHOLDER_TOKEN_ID:
+                    h.input_ids[j] = 0  # a valid id until the device writes the sampled one
+                    i = None if prev is None else prev[1].get(row.request.request_id)
+                    if i is not None:
+                        positions.append(j)
+                        sources.append(i)
+        if not positions:
+            return None
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
+        return as_tensor(positions), prev[0].index_select(0, as_tensor(sources))
+
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, h: HostInputs | None = None, before_sampling=None
+        self,
+        out: SchedulerOutput,
+        h: HostInputs | None = None,
+        before_sampling=None,
+        defer: bool = False,
     ) -> ModelRunnerOutput:
         """Run one step: block copies, one forward pass, sampling (see ModelRunnerOutput). `h`: its
         host inputs, if already built; `before_sampling`: called once the logits are ready (async
-        scheduling waits there until the step before has been processed)."""
+        scheduling waits there until the step before has been processed); `defer`: leave the
+        sampled tokens on their way to the host (ModelRunnerOutput.to_host())."""
         # Block copies first, in this order: a block swapped out this step may be handed to another
         # request below, and a copy-on-write source freed this step may be the target of a swap-in.
         self.kv_cache.swap_out(out.blocks_to_swap_out)
@@ -168,18 +220,25 @@ class ModelRunner:
         rows = out.scheduled
         if h is None and rows:
             h = host_inputs(out, self.config.block_size)
+        prev, self.last_sampled = self.last_sampled, None
+        fill = self.fill_placeholders(out, h, prev) if rows and prev is not None else None
         if self.tp is not None:  # every worker does the same block copies and forward on its shard
+            if fill is not None:  # the workers need the tokens themselves
+                for j, token in zip(fill[0].tolist(), fill[1].tolist()):
+                    h.input_ids[j] = token
             self.tp.step(out, h)
         if not rows:
             return result
         runs_graph = self.graph_runner is not None and self.graph_runner.can_run(out)
         if runs_graph:  # decode rows only, fits a graph
             # (num_tokens, vocab): every token of such a step is scored
-            logits = self.graph_runner.run(out, h)
+            logits = self.graph_runner.run(out, h, fill)
             self.last_graph_bucket = self.graph_runner.last_bucket
             self.last_graph_width = self.graph_runner.last_width
         else:
             input_ids, positions, meta, logits_indices = self.inputs_from_host(h)
+            if fill is not None:
+                input_ids[fill[0]] = fill[1]
             hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (num_tokens, hidden)
             result.prompt_logprobs = prompt_logprobs(
                 rows, hidden, h.row_starts, self.model.compute_logits
@@ -208,7 +267,7 @@ class ModelRunner:
                 j for j, i in enumerate(h.sample_rows) for _ in range(rows[i].request.num_seqs)
             ]
             last_logits = last_logits[torch.tensor(repeat, device=self.device)]  # (num_seqs, vocab)
-        self.sample(last_logits, seqs, result)
+        self.sample(last_logits, seqs, result, defer)
         has_drafts = len(last) < logits.shape[0]
         if has_drafts:  # drafts to verify: which are kept, and the token after them
             verify_drafts(
@@ -228,32 +287,46 @@ class ModelRunner:
             req.generator = self.sampler.generator_for(req.params.seed, self.device)
         return req.generator
 
-    def sample(self, logits, seqs: list[Request], result: ModelRunnerOutput) -> None:
+    def sample(self, logits, seqs: list[Request], result: ModelRunnerOutput, defer=False) -> None:
         """One token per row of logits (one per sequence in `seqs`), all rows in one call: logits
         processors, then log-probabilities where asked, then the draw. If that fails, the rows are
         sampled one by one, so a request whose own settings break sampling fails alone (its token
-        is None) and every other request of the batch still gets its token."""
+        is None) and every other request of the batch still gets its token. The tokens stay on the
+        device for the next step's placeholders (`last_sampled`); `defer`: their copy to the host
+        is left to ModelRunnerOutput.to_host()."""
+        found = None  # the tokens on the host, when the rows were sampled one by one
         try:
-            result.sampled_token_ids += self._sample(logits, seqs, result)
+            tokens = self._sample(logits, seqs, result)
         except Exception:
+            found = []
             for i, seq in enumerate(seqs):
                 try:
-                    result.sampled_token_ids += self._sample(logits[i : i + 1], [seq], result)
+                    found += self._sample(logits[i : i + 1], [seq], result).tolist()
                 except Exception as e:
-                    result.sampled_token_ids.append(None)
+                    found.append(None)
                     result.errors[seq.request_id] = e
+            tokens = torch.tensor([0 if t is None else t for t in found], device=self.device)
+        self.last_sampled = (tokens, {seq.request_id: i for i, seq in enumerate(seqs)})
+        if found is not None:
+            result.sampled_token_ids += found
+        elif defer:
+            result.defer(tokens)
+        else:
+            result.sampled_token_ids += tokens.tolist()
 
-    def _sample(self, logits, seqs: list[Request], result: ModelRunnerOutput) -> list[int]:
+    def _sample(self, logits, seqs: list[Request], result: ModelRunnerOutput):
         params = [s.params for s in seqs]
         logits = apply_grammars(logits, seqs)  # structured outputs: forbidden tokens at -inf
         # (n, vocab): the very tensor when none is set
         logits = process_logits(logits, params, seqs)
-        tokens = self.sampler(logits, params, [self._generator(s) for s in seqs]).tolist()
+        tokens = self.sampler(logits, params, [self._generator(s) for s in seqs])  # (n,)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if rows:
-            picked = logits[torch.tensor(rows, device=logits.device)]
+        if rows:  # (these tokens are read on the host now)
+            picked = torch.tensor(rows, device=logits.device)
             found = gather_logprobs(
-                logprobs(picked), [tokens[i] for i in rows], [params[i].logprobs for i in rows]
+                logprobs(logits[picked]),
+                tokens[picked].tolist(),
+                [params[i].logprobs for i in rows],
             )
             result.logprobs.update((seqs[i].request_id, lp) for i, lp in zip(rows, found))
         return tokens
