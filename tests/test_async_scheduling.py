@@ -16,6 +16,7 @@ from minicb import Engine, EngineConfig, SamplingParams
 from minicb.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from minicb.model_executor.loader import load_model
 from minicb.model_executor.tiny_models import save_byte_tokenizer, save_tiny_model
+from minicb.worker.executor import fill_placeholders
 from minicb.worker.model_runner import host_inputs
 
 PROMPTS = [f"request {i}: " + "abcdefgh"[: i % 8] * (1 + i % 5) for i in range(10)]
@@ -190,7 +191,7 @@ def test_placeholders_are_filled_from_the_step_before(loaded):
     h = host_inputs(out, eng.config.block_size)
     rid = row.request.request_id
     prev = (torch.tensor([7, 42, 9]), {"other": 0, rid: 1})  # the step before's sampled tokens
-    positions, tokens = eng.runner.fill_placeholders(out, h, prev)
+    positions, tokens = fill_placeholders(out, h, prev, eng.runner.device)
     assert positions.tolist() == [0] and tokens.tolist() == [42] and h.input_ids == [0]
     eng.shutdown()
 

@@ -11,9 +11,9 @@ thread runs Python.
 Three hand-offs keep an async step exact and the device busy:
   - its placeholder tokens (PLACEHOLDER_TOKEN_ID: tokens the step before was still sampling when
     this one was scheduled) are written into its input ids from the step before's sampled-token
-    tensor, on the device (ModelRunner.fill_placeholders; vLLM V1's prev_sampled_token_ids), so the
-    step is launched without waiting for those tokens to reach the host;
-  - the sampled tokens' copy to the host is started, not waited for (ModelRunnerOutput.defer: on
+    tensor, on the device (fill_placeholders; vLLM V1's prev_sampled_token_ids), so the step is
+    launched without waiting for those tokens to reach the host;
+  - the sampled tokens' copy to the host is started, not waited for (AsyncModelRunnerOutput: on
     CUDA a non-blocking copy into pinned memory and an event); an output thread waits for it and
     resolves the step's future (vLLM V1's async output copy), while the device thread launches the
     next step;
@@ -26,9 +26,58 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Event
 
-from ..core.scheduler_output import SchedulerOutput
+import torch
+
+from ..core.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from ..trace import StepTimes
 from .model_runner import HostInputs, ModelRunner, ModelRunnerOutput
+
+
+def fill_placeholders(out: SchedulerOutput, h: HostInputs, prev, device):
+    """The input tokens that were placeholders when the step was scheduled, from the step before's
+    sampled tokens on the device (vLLM V1: prev_sampled_token_ids). `prev`: (that step's sampled
+    tokens as a tensor, {sequence id: index in it}), the runner's `last_sampled`. Returns (positions
+    in input_ids, their tokens) as device tensors for ModelRunner.execute(fill=...), or None. A
+    placeholder of a request missing from `prev` (its step or its sampling failed, so it fails too)
+    is fed token 0."""
+    positions, sources = [], []
+    for row, start in zip(out.scheduled, h.row_starts):
+        for j in range(start, start + row.num_tokens):
+            if h.input_ids[j] == PLACEHOLDER_TOKEN_ID:
+                h.input_ids[j] = 0  # a valid id until the device writes the sampled one
+                i = None if prev is None else prev[1].get(row.request.request_id)
+                if i is not None:
+                    positions.append(j)
+                    sources.append(i)
+    if not positions:
+        return None
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+    return as_tensor(positions), prev[0].index_select(0, as_tensor(sources))
+
+
+class AsyncModelRunnerOutput:
+    """A step's output whose sampled tokens are still on their way to the host (vLLM V1's
+    AsyncGPUModelRunnerOutput): made on the device thread right after sampling, which starts the
+    copy (on CUDA into pinned memory, non-blocking, then an event), and finished on the output
+    thread, which waits for that copy only, not for the steps launched after it."""
+
+    def __init__(self, result: ModelRunnerOutput):
+        self.result, tokens, self.copied = result, result.pending_tokens, None
+        if tokens is not None and tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+            tokens = host
+        self.tokens = tokens
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self.tokens is not None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            self.result.sampled_token_ids += self.tokens.tolist()
+            self.result.pending_tokens = self.tokens = None
+        return self.result
 
 
 class StepExecutor:
@@ -53,8 +102,10 @@ class StepExecutor:
 
     def _run(self, out, h, times: StepTimes, wait: Event | None, done: Future) -> None:
         times.device_start = time.perf_counter()
+        fill = None
         if h is not None:
-            self.num_placeholders += h.input_ids.count(-1)  # PLACEHOLDER_TOKEN_ID
+            self.num_placeholders += h.input_ids.count(PLACEHOLDER_TOKEN_ID)
+            fill = fill_placeholders(out, h, self.runner.last_sampled, self.runner.device)
 
         def before_sampling():
             times.forward_end = time.perf_counter()
@@ -63,18 +114,18 @@ class StepExecutor:
             times.sample_start = time.perf_counter()
 
         try:
-            result = self.runner.execute(out, h, before_sampling, defer=True)
+            result = self.runner.execute(out, h, before_sampling, defer=True, fill=fill)
         except Exception as e:  # its forward pass failed: the engine fails its requests
             times.device_end = time.perf_counter()
             done.set_exception(e)
             return
         graph = self.runner.last_graph_bucket, self.runner.last_graph_width
-        self.output.submit(self._finish, result, graph, times, done)
+        self.output.submit(self._finish, AsyncModelRunnerOutput(result), graph, times, done)
 
-    def _finish(self, result: ModelRunnerOutput, graph, times: StepTimes, done: Future) -> None:
+    def _finish(self, pending: AsyncModelRunnerOutput, graph, times: StepTimes, done: Future):
         """On the output thread: wait for the sampled tokens' copy to the host, then resolve."""
         try:
-            result.to_host()
+            result = pending.get_output()
         except Exception as e:
             done.set_exception(e)
             return

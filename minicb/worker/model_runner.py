@@ -22,7 +22,6 @@ import torch
 from ..config import cdiv
 from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
-from ..core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from ..model_executor.attention import AttentionMetadata
 from ..model_executor.paged_flash import page_pairs
 from ..model_executor.ragged_attention import decode_groups
@@ -50,30 +49,8 @@ class ModelRunnerOutput:
     errors: dict[str, Exception] = field(default_factory=dict)
     # id -> drafts kept, before its sampled token
     accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
-    # async scheduling: the sampled tokens on their way to the host (sampled_token_ids after
-    # to_host()), and the CUDA event of their copy
-    pending: object = None
-    pending_copied: object = None
-
-    def defer(self, tokens) -> None:
-        """Start the sampled tokens' copy to the host without waiting for it: on CUDA into pinned
-        memory on the step's stream, an event marking its end (vLLM V1's async output copy)."""
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            self.pending_copied = torch.cuda.Event()
-            self.pending_copied.record()
-            tokens = host
-        self.pending = tokens
-
-    def to_host(self) -> "ModelRunnerOutput":
-        """Wait for deferred tokens (for their copy, not later work on the device); list them."""
-        if self.pending is not None:
-            if self.pending_copied is not None:
-                self.pending_copied.synchronize()
-            self.sampled_token_ids += self.pending.tolist()
-            self.pending = self.pending_copied = None
-        return self
+    # async scheduling: the sampled tokens left on the device (executor.py brings them to the host)
+    pending_tokens: object = None
 
 
 @dataclass
@@ -178,26 +155,6 @@ class ModelRunner:
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
         return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.logits_indices
 
-    def fill_placeholders(self, out: SchedulerOutput, h: HostInputs, prev):
-        """Async scheduling: the input tokens that were placeholders when the step was scheduled
-        come from the step before's sampled tokens, on the device (vLLM V1: prev_sampled_token_ids).
-        `prev`: (that step's sampled tokens as a tensor, {sequence id: index in it}). Returns
-        (positions in input_ids, their tokens) as device tensors, or None. A placeholder of a
-        request missing from `prev` (its sampling failed, so it fails too) is fed token 0."""
-        positions, sources = [], []
-        for row, start in zip(out.scheduled, h.row_starts):
-            for j in range(start, start + row.num_tokens):
-                if h.input_ids[j] == PLACEHOLDER_TOKEN_ID:
-                    h.input_ids[j] = 0  # a valid id until the device writes the sampled one
-                    i = None if prev is None else prev[1].get(row.request.request_id)
-                    if i is not None:
-                        positions.append(j)
-                        sources.append(i)
-        if not positions:
-            return None
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
-        return as_tensor(positions), prev[0].index_select(0, as_tensor(sources))
-
     @torch.inference_mode()
     def execute(
         self,
@@ -205,11 +162,13 @@ class ModelRunner:
         h: HostInputs | None = None,
         before_sampling=None,
         defer: bool = False,
+        fill=None,
     ) -> ModelRunnerOutput:
         """Run one step: block copies, one forward pass, sampling (see ModelRunnerOutput). `h`: its
         host inputs, if already built; `before_sampling`: called once the logits are ready (async
         scheduling waits there until the step before has been processed); `defer`: leave the
-        sampled tokens on their way to the host (ModelRunnerOutput.to_host())."""
+        sampled tokens on the device (`pending_tokens`); `fill`: (positions, tokens) to write over
+        the input ids, on the device (async scheduling's placeholders: executor.py)."""
         # Block copies first, in this order: a block swapped out this step may be handed to another
         # request below, and a copy-on-write source freed this step may be the target of a swap-in.
         self.kv_cache.swap_out(out.blocks_to_swap_out)
@@ -220,8 +179,7 @@ class ModelRunner:
         rows = out.scheduled
         if h is None and rows:
             h = host_inputs(out, self.config.block_size)
-        prev, self.last_sampled = self.last_sampled, None
-        fill = self.fill_placeholders(out, h, prev) if rows and prev is not None else None
+        self.last_sampled = None
         if self.tp is not None:  # every worker does the same block copies and forward on its shard
             if fill is not None:  # the workers need the tokens themselves
                 for j, token in zip(fill[0].tolist(), fill[1].tolist()):
@@ -292,8 +250,7 @@ class ModelRunner:
         processors, then log-probabilities where asked, then the draw. If that fails, the rows are
         sampled one by one, so a request whose own settings break sampling fails alone (its token
         is None) and every other request of the batch still gets its token. The tokens stay on the
-        device for the next step's placeholders (`last_sampled`); `defer`: their copy to the host
-        is left to ModelRunnerOutput.to_host()."""
+        device for the next step's placeholders (`last_sampled`); `defer`: only there."""
         found = None  # the tokens on the host, when the rows were sampled one by one
         try:
             tokens = self._sample(logits, seqs, result)
@@ -310,7 +267,7 @@ class ModelRunner:
         if found is not None:
             result.sampled_token_ids += found
         elif defer:
-            result.defer(tokens)
+            result.pending_tokens = tokens
         else:
             result.sampled_token_ids += tokens.tolist()
 
