@@ -36,8 +36,8 @@ PACKAGE = ROOT / "minicb"
 # 2555: async scheduling (issue 32) added 85 in vLLM V1's places: a request's output placeholders,
 # the placeholder token a row feeds, the scheduler's two hooks that AsyncScheduler fills (its own
 # file, core/async_scheduler.py, with the batch queue in engine/batch_queue.py, outside one step),
-# and a step split into schedule / execute / process with the times of each. 2690: the runner takes a
-# step's placeholder tokens from the step before on the device and leaves its own there (+30; the
+# and a step split into schedule / execute / process with the times of each. 2690: the runner takes
+# a step's placeholder tokens from the step before on the device and leaves its own there (+30; the
 # rest sits in worker/executor.py), and a speculative row is ONE decode row of 1 + k queries (+105):
 # the metadata of such rows, the padded decode over right-aligned query slots, the graphs of uniform
 # verify batches (vLLM V1's uniform decode).
