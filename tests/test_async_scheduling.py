@@ -236,3 +236,30 @@ def test_a_server_with_async_scheduling_streams_the_same_tokens(loaded):
         assert asyncio.run(all_at_once(s.url)) == expected
         s.wait_idle()
         assert s.engine.batch_queue.executor.num_placeholders > 0
+
+
+def test_an_extra_row_write_is_never_a_prefix_hit(loaded):
+    """A request that stops in step N has the K/V of its last token written by its extra row in
+    N+1. Blocks are cached when a step is processed, up to the tokens that have landed, which that
+    last token has not when N is processed and the request finishes: the block it would fill is not
+    cached, as with synchronous steps, and a later request extending its text hits the same blocks
+    and gets the same tokens."""
+    prompt = [40 + i for i in range(9)]  # 9 tokens: blocks of 4
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    (free_run,) = run(engine(loaded), [(prompt, greedy)])
+    tokens = free_run.outputs[0].token_ids
+    # stop at output m where prompt + m + 1 tokens fill whole blocks, on a token not seen before it
+    m = next(m for m in range(len(tokens)) if (9 + m + 1) % 4 == 0 and tokens.index(tokens[m]) == m)
+    stop = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[tokens[m]])
+    longer = prompt + tokens[: m + 1] + [7, 8, 9]
+    starts, outs = {}, {}
+    for mode in (False, True):
+        eng = engine(loaded, async_scheduling=mode, max_num_seqs=1)
+        (a,) = run(eng, [(prompt, stop)])
+        assert a.outputs[0].token_ids == tokens[: m + 1]
+        (b,) = run(eng, [(longer, greedy)])
+        outs[mode] = b.outputs[0].token_ids
+        starts[mode] = next(r.start for s in eng.trace for r in s.rows if r.request_id == "1")
+        eng.shutdown()
+    assert outs[True] == outs[False]
+    assert starts == {False: 9 + m + 1 - 4, True: 9 + m + 1 - 4}  # not the extra row's block
