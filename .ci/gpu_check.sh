@@ -23,7 +23,7 @@ nvidia-smi -L
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name()); print(torch.ops.aten._flash_attention_forward.default._schema)"
 for s in ${STAGES:-tests attention w2 idle latency profile hf}; do
   case $s in
-    tests) TAIL=60 stage tests 150 python3 -m pytest -q -m "gpu and not slow" tests/test_gpu.py -s -p no:cacheprovider -o addopts="" ;;
+    tests) TAIL=60 stage tests 150 python3 -m pytest -q -m "gpu and not slow" tests/test_gpu.py tests/test_verify_rows.py -s -p no:cacheprovider -o addopts="" ;;
     attention) stage attention 60 python3 -m minicb.bench.w2 --workload attention --json $OUT/results.jsonl ;;
     latency) stage latency 120 python3 -m minicb.bench.w2 --workload latency --json $OUT/results.jsonl ;;
     w2) stage w2 ${W2_MAX:-200} python3 -m minicb.bench.w2 --workload w2 --competitors ${W2_COMPETITORS:-defaults async eager} --json $OUT/results.jsonl ;;

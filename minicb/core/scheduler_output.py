@@ -66,5 +66,5 @@ class SchedulerOutput:
     @property
     def num_decode_rows(self) -> int:
         """Rows that feed one generated token (not the attention metadata's num_decodes, which
-        counts the leading one-query rows, a last prompt token included)."""
+        counts the leading decode rows of 1, or 1 + k, tokens, a last prompt token included)."""
         return sum(1 for s in self.scheduled if not s.is_prefill)

@@ -3,10 +3,11 @@ exactly.
 
 A decode step feeds one token per request and reads all the weights to produce one token. When the
 text ahead is easy to guess, a request can instead feed its newest token plus k guessed ones (the
-"drafts") as one short row, over the paged cache, the way a prefill chunk is fed. The model then
-scores all k + 1 positions in the one forward pass, and the drafts are checked in order
-(rejection_sampler.py): every draft that the model would have produced itself is kept, and the first
-that it would not is replaced by the model's own token. A step thus yields between 1 and k + 1
+"drafts") as one decode row of 1 + k queries that reads its paged cache once (vLLM V1's uniform
+decode; model_executor/attention.py). The model then scores all k + 1 positions in the one forward
+pass, and the drafts are checked in order (rejection_sampler.py): every draft that the model would
+have produced itself is kept, and the first that it would not is replaced by the model's own
+token. A step thus yields between 1 and k + 1
 tokens for the price of reading the weights once, and the output is exactly what decoding one token
 at a time would give: greedy decoding gives the same tokens, sampling gives the same distribution
 (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al.,

@@ -134,13 +134,16 @@ def check_free_memory(free: int, total: int, utilization: float) -> None:
 
 def largest_graph(config: EngineConfig) -> tuple[int, int]:
     """(rows, columns) of the CUDA graph with the most rows, at its widest (cuda_graph.py's
-    shapes)."""
+    shapes). With drafts, a verify graph's rows hold 1 + k tokens each: measured as that many
+    one-token rows, which gather and attend at least as much."""
     from .cuda_graph import graph_shapes
 
     buckets, widths = graph_shapes(
         config.max_num_seqs, config.max_blocks_per_seq, config.block_size
     )
-    return buckets[-1], widths[buckets[-1]][-1]
+    spec = config.speculative_config
+    tokens_per_row = 1 + spec.num_speculative_tokens if spec is not None else 1
+    return buckets[-1] * tokens_per_row, widths[buckets[-1]][-1]
 
 
 def gpu_baseline(config: EngineConfig) -> int:
