@@ -16,7 +16,7 @@ Three hand-offs keep an async step exact and the device busy:
   - the sampled tokens' copy to the host is started, not waited for (AsyncModelRunnerOutput: on
     CUDA a non-blocking copy into pinned memory and an event); an output thread waits for it and
     resolves the step's future (vLLM V1's async output copy), while the device thread launches the
-    next step;
+    next step (on a CPU the tokens are on the host already: the device thread resolves it);
   - a step's sampling waits until the step before has been processed (`wait_before_sampling`):
     sampling reads what processing writes (a grammar advanced by the last token, the output tokens
     that penalties count, the samples a request forked into).
@@ -120,7 +120,11 @@ class StepExecutor:
             done.set_exception(e)
             return
         graph = self.runner.last_graph_bucket, self.runner.last_graph_width
-        self.output.submit(self._finish, AsyncModelRunnerOutput(result), graph, times, done)
+        pending = AsyncModelRunnerOutput(result)
+        if pending.copied is None:  # the tokens are on the host already (a CPU): no thread hop
+            self._finish(pending, graph, times, done)
+        else:
+            self.output.submit(self._finish, pending, graph, times, done)
 
     def _finish(self, pending: AsyncModelRunnerOutput, graph, times: StepTimes, done: Future):
         """On the output thread: wait for the sampled tokens' copy to the host, then resolve."""
