@@ -556,7 +556,7 @@ def test_engine_failure_fails_its_requests_and_the_server_keeps_serving(plain):
     with serve(plain) as s:
         execute = s.engine.runner.execute
 
-        def broken(out):
+        def broken(*args, **kwargs):
             raise RuntimeError("simulated device failure")
 
         s.engine.runner.execute = broken  # the engine loop is idle: it calls this on the next step
