@@ -42,3 +42,14 @@ def add_word_tokenizer(path):
     )
     fast.save_pretrained(path)
     return path
+
+
+def byte_model(path):
+    """A tiny float64 Llama over bytes (ids 0..255, EOS 256) with a byte tokenizer: text prompts,
+    stop strings and grammars on a model small enough for exact tests."""
+    from minicb.model_executor.loader import load_model
+    from minicb.model_executor.tiny_models import save_byte_tokenizer, save_tiny_model
+
+    save_tiny_model(path, vocab_size=264, eos_token_id=256, seed=5)
+    save_byte_tokenizer(path)
+    return load_model(path, dtype=torch.float64)

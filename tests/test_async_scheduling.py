@@ -10,12 +10,11 @@ import json
 import httpx
 import pytest
 import torch
+from reference import byte_model
 from serving import serve
 
 from minicb import Engine, EngineConfig, SamplingParams
 from minicb.core.scheduler_output import PLACEHOLDER_TOKEN_ID
-from minicb.model_executor.loader import load_model
-from minicb.model_executor.tiny_models import save_byte_tokenizer, save_tiny_model
 from minicb.worker.executor import fill_placeholders
 from minicb.worker.model_runner import host_inputs
 
@@ -25,10 +24,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bytes")
-    save_tiny_model(path, vocab_size=264, eos_token_id=256, seed=5)
-    save_byte_tokenizer(path)
-    return load_model(path, dtype=torch.float64)
+    return byte_model(tmp_path_factory.mktemp("bytes"))
 
 
 def engine(loaded, **config) -> Engine:

@@ -12,11 +12,12 @@ import threading
 import jsonschema
 import pytest
 import torch
+from reference import byte_model
 
 from minicb import Engine, EngineConfig, SamplingParams
 from minicb.core.request import RequestStatus
 from minicb.model_executor.loader import load_model
-from minicb.model_executor.tiny_models import save_byte_tokenizer, save_tiny_model
+from minicb.model_executor.tiny_models import save_tiny_model
 from minicb.sampling_params import StructuredOutputsParams as SO
 from minicb.structured_output import apply_token_bitmask, bitmask_words
 from minicb.structured_output.bitmask import allowed_tokens
@@ -40,10 +41,7 @@ CHOICES = ["yes", "no", "maybe"]
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bytes")
-    save_tiny_model(path, vocab_size=264, eos_token_id=256, seed=5)
-    save_byte_tokenizer(path)
-    return load_model(path, dtype=torch.float64)
+    return byte_model(tmp_path_factory.mktemp("bytes"))
 
 
 def engine(loaded, **config):
