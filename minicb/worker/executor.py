@@ -104,8 +104,8 @@ class StepExecutor:
         times.device_start = time.perf_counter()
         fill = None
         if h is not None:
-            self.num_placeholders += h.input_ids.count(PLACEHOLDER_TOKEN_ID)
             fill = fill_placeholders(out, h, self.runner.last_sampled, self.runner.device)
+            self.num_placeholders += 0 if fill is None else len(fill[0])
 
         def before_sampling():
             times.forward_end = time.perf_counter()
