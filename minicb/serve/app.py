@@ -43,6 +43,7 @@ OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 
 import anyio
 from fastapi import FastAPI, Request
@@ -53,6 +54,7 @@ from starlette.exceptions import HTTPException
 
 from ..sampling_params import SamplingParams
 from ..structured_output import GrammarError, grammar_text
+from .auth import APIKeyAuth, check_keys, document_bearer_auth
 from .engine_core import RemoteEngine
 from .engine_loop import AsyncEngine, QueueFullError, RequestStream
 from .limits import RequestBounds, RequestLimits, max_chars_per_token
@@ -78,6 +80,7 @@ from .validation import (
 
 ERROR_STATUSES = {
     400: "invalid input (OpenAI error shape, naming the field)",
+    401: "no API key, or a wrong one (a server started with --api-key; auth.py)",
     404: "model not served here",
     413: "body larger than --max-request-bytes",
     500: "the request failed inside the engine",
@@ -194,7 +197,11 @@ def build_app(
     served_model_name: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     limits: RequestLimits | None = None,
+    api_key: str | Sequence[str] | None = None,
 ) -> FastAPI:
+    """The app on `async_engine`. `api_key`: a key, or several (any one will do), that every
+    route but /health, /metrics and the docs requires as `Authorization: Bearer <key>` (auth.py);
+    None or empty: the server is open."""
     engine = async_engine.engine
     model_name = served_model_name or engine.model_name
     bounds = RequestBounds(
@@ -222,6 +229,12 @@ def build_app(
     # kept the event loop waiting for its turn (the others wait on the loop, where it is free)
     app.state.parse_limiter = anyio.CapacityLimiter(1)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    check_keys(api_keys, "api_key")  # now, not when the first request builds the middleware
+    if api_keys:  # added last, so outermost: a request without the key is refused first
+        app.add_middleware(APIKeyAuth, keys=api_keys)
+        schema = app.openapi
+        app.openapi = lambda: document_bearer_auth(schema())
 
     # APIError, unknown route, wrong method, 413: one error body
     @app.exception_handler(HTTPException)
@@ -274,7 +287,7 @@ def build_app(
             async_engine.metrics_text(), media_type="text/plain; version=0.0.4"
         )
 
-    @app.get("/v1/models", response_model=ModelList, responses={503: ERRORS[503]})
+    @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401], 503: ERRORS[503]})
     async def models():
         check_engine()  # a model that cannot answer is not served
         return {

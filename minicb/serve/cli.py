@@ -2,8 +2,10 @@
 notebooks."""
 
 import argparse
+import ipaddress
 import json
 import resource
+import sys
 import threading
 import time
 from dataclasses import fields
@@ -11,6 +13,7 @@ from dataclasses import fields
 import uvicorn
 
 from .app import build_app
+from .auth import ENV_VAR, api_keys_from
 from .connections import ConnectionLimits
 from .engine_loop import AsyncEngine
 from .limits import RequestLimits
@@ -195,6 +198,16 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help="every route but /health, /metrics and the docs requires 'Authorization: Bearer KEY' "
+        "(401 otherwise); with several keys, any one of them (vLLM's flag). Without the flag, "
+        f"the environment variable {ENV_VAR} gives the key; prefer it on a shared machine, where "
+        "every user can read a command line (ps)",
+    )
+    parser.add_argument(
         "--max-waiting",
         type=int,
         default=64,
@@ -302,7 +315,21 @@ def raise_file_limit(connections: ConnectionLimits) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (--host) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
 def main(args) -> None:
+    try:
+        api_keys = api_keys_from(args.api_key)
+    except ValueError as e:
+        raise SystemExit(f"minicb: {e}") from None
     if args.engine_in_process and args.core_threads is not None:
         raise SystemExit(
             "--core-threads sets the threads of the engine-core process; with --engine-in-process "
@@ -339,7 +366,13 @@ def main(args) -> None:
         stall_timeout_s=args.stream_stall_timeout,
         on_fatal=on_fatal,
     )
-    app = build_app(async_engine, args.served_model_name, args.max_request_bytes, request_limits)
+    app = build_app(
+        async_engine,
+        args.served_model_name,
+        args.max_request_bytes,
+        request_limits,
+        api_key=api_keys,
+    )
     server = uvicorn.Server(
         connections.uvicorn_config(
             app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5
@@ -351,13 +384,23 @@ def main(args) -> None:
         if args.engine_in_process
         else f"in its own process, {engine.core_threads} torch threads"
     )
+    # never the key itself: a banner ends up in terminals, logs and screenshots
+    access = "an API key required" if api_keys else "no API key"
     print(
         f"minicb: serving {args.served_model_name or engine.model_name} on "
         f"http://{args.host}:{args.port}/v1 ({c.num_blocks} KV blocks of {c.block_size}, "
         f"{c.max_num_seqs} slots, {c.scheduling_policy}, max_waiting={args.max_waiting}, engine "
-        f"core {where})",
+        f"core {where}, {access})",
         flush=True,
     )
+    if not api_keys and not is_loopback(args.host):
+        print(
+            f"minicb: warning: listening on {args.host} without an API key: anyone who can reach "
+            f"port {args.port} may use the model; set {ENV_VAR} (or pass --api-key) to require a "
+            "key",
+            file=sys.stderr,
+            flush=True,
+        )
     server.run()
     if async_engine.fatal_error is not None:  # a non-zero exit status: a supervisor restarts it
         raise SystemExit(f"minicb: exited because the engine died: {async_engine.fatal_error}")
