@@ -75,6 +75,7 @@ def test_the_balance_threshold_flips_cache_aware_to_least_loaded():
         router.route(prompt, [IDLE, IDLE])  # remembered on replica 0
         # load gap: score 8 (2 waiting) against 0; the gap must pass the threshold to flip
         assert router.route(prompt, loads((0, 2), (0, 0))) == expected
+        assert router.num_balanced == expected  # decisions by load because of the gap
     # when it flips, the prompt is remembered where it went
     assert router.expected_hits(prompt) == [4, 4]
 

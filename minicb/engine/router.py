@@ -58,8 +58,11 @@ ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware")
 # vLLM V1's DP load balancer: a waiting request weighs four running ones
 WAITING_WEIGHT = 4
 # cache_aware: a load gap (in score points) past which a request goes to the least loaded replica
-# whatever its expected hit; 16 = four more queued requests on the busiest replica than the idlest.
-DEFAULT_BALANCE_THRESHOLD = 16
+# whatever its expected hit: 8 = two more queued requests on the busiest replica than the idlest. On
+# the simulator's multi-turn workload (tests/test_fleet_sim.py) 4-8 keep the hit rate at its best
+# with even loads; from 16 up the shared system prompt piles new conversations onto the replica that
+# saw it first, and 0 is least loaded's hit rate. SGLang's router counts 64 in-flight requests.
+DEFAULT_BALANCE_THRESHOLD = 8
 # cache_aware: block hashes remembered per replica; about what a replica's KV cache holds (the
 # simulator's 4096 blocks), and a server should pass its replicas' num_blocks
 DEFAULT_CAPACITY_BLOCKS = 4096
@@ -168,6 +171,8 @@ class CacheAwareRouter(Router):
         self.capacity_blocks = capacity_blocks
         # per replica: the block hashes routed there, least recently used first
         self.remembered: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self.num_routed = 0
+        self.num_balanced = 0  # routed by load because the load gap passed the threshold
 
     def block_hashes(self, prompt_token_ids: list[int]) -> list[int]:
         """The hash chain of the prompt's full blocks, as the prefix cache computes it."""
@@ -195,6 +200,8 @@ class CacheAwareRouter(Router):
         is_imbalanced = max(scores) - min(scores) > self.balance_threshold
         hits = {i: self._leading_blocks_found(i, hashes) for i in live}
         best_hit = max(hits.values())
+        self.num_routed += 1
+        self.num_balanced += is_imbalanced
         if is_imbalanced or best_hit == 0:
             chosen = least_loaded(loads, live)
         else:
@@ -222,7 +229,8 @@ class CacheAwareRouter(Router):
         return (
             f"CacheAwareRouter(replicas={self.num_replicas}, live={self.live_replicas}, "
             f"remembered_blocks={sizes}, balance_threshold={self.balance_threshold}, "
-            f"capacity_blocks={self.capacity_blocks})"
+            f"capacity_blocks={self.capacity_blocks}, "
+            f"balanced={self.num_balanced}/{self.num_routed})"
         )
 
 
