@@ -18,7 +18,9 @@ What is measured (FleetResult): the prefix hit rate, cached prompt tokens / prom
 request's cached tokens are those its scheduler found in the prefix cache when it first admitted it
 (its first row starts there); per replica, the requests routed there and the prompt tokens it
 computed (prompt minus cached), each with its imbalance max / mean (1.0 is perfectly even); and
-TTFT in steps, from arrival to first token counting both ends, p50 and p99. No torch.
+TTFT in steps, from arrival to first token counting both ends, p50 and p99. Steps are not priced:
+a cache hit shortens TTFT here only where it saves a queue or a step's token budget (a long prompt
+prefilled over two steps), not by the compute it saves; pool.StepCost would price it. No torch.
 """
 
 import heapq
