@@ -18,20 +18,21 @@ whose cost grows with the input (limits.py has the bounds and their defaults). I
   1. at most --limit-concurrency connections: one more takes the place of the longest idle one
      (503 if each has a request in flight), and one that has not sent a whole request within
      --timeout-request seconds is closed (connections.py);
-  2. a body over --max-request-bytes gets 413 before it is read whole, one framed by both
+  2. with --api-key, a request without the key gets 401 from its headers alone (auth.py);
+  3. a body over --max-request-bytes gets 413 before it is read whole, one framed by both
      Content-Length and Transfer-Encoding 400; both close the connection (BodySizeLimit);
-  3. JSON is parsed (in a worker thread over 64 KiB); then, before anything walks it, its lists
+  4. JSON is parsed (in a worker thread over 64 KiB); then, before anything walks it, its lists
      and texts are refused from their lengths (RequestBounds.check_sizes: a token-id prompt
      longer than max_model_len, more prompts than a request may hold, too many stop strings,
      stop_token_ids or logit_bias entries, a text longer than max_model_len tokens could spell);
      then more than MAX_JSON_DEPTH nested containers or invalid Unicode ("\\ud800") gets 400;
-  4. the pydantic models check every field's type and range, and sampling_params() what holds
+  5. the pydantic models check every field's type and range, and sampling_params() what holds
      across fields (400 naming the field, never 422);
-  5. what it asks: logprobs against --max-logprobs, n x prompts against --max-seats-per-request,
+  6. what it asks: logprobs against --max-logprobs, n x prompts against --max-seats-per-request,
      n x prompts x max_tokens against --max-tokens-per-request;
-  6. tokenizing and chat templating run in a worker thread; each prompt's length is checked
+  7. tokenizing and chat templating run in a worker thread; each prompt's length is checked
      against max_model_len once tokenized, before an echo detokenizes it (prompts.py);
-  7. the engine refuses what only it can judge (the KV cache; a full server: 503 with
+  8. the engine refuses what only it can judge (the KV cache; a full server: 503 with
      Retry-After), and a request's prompts are admitted all or none.
 A request that still fails inside a step is stopped alone (Engine._fail), and everyone else keeps
 streaming. A client that hangs up aborts its requests at once, one that stops reading for
@@ -202,6 +203,8 @@ def build_app(
     """The app on `async_engine`. `api_key`: a key, or several (any one will do), that every
     route but /health, /metrics and the docs requires as `Authorization: Bearer <key>` (auth.py);
     None or empty: the server is open."""
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    check_keys(api_keys, "api_key")  # now, not when the first request builds the middleware
     engine = async_engine.engine
     model_name = served_model_name or engine.model_name
     bounds = RequestBounds(
@@ -229,8 +232,6 @@ def build_app(
     # kept the event loop waiting for its turn (the others wait on the loop, where it is free)
     app.state.parse_limiter = anyio.CapacityLimiter(1)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
-    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
-    check_keys(api_keys, "api_key")  # now, not when the first request builds the middleware
     if api_keys:  # added last, so outermost: a request without the key is refused first
         app.add_middleware(APIKeyAuth, keys=api_keys)
         schema = app.openapi
@@ -364,7 +365,7 @@ def build_app(
     ):
         try:
             stream = await async_engine.submit(
-                [p.token_ids for p in choices.prompts], params, body.priority
+                [p.token_ids for p in choices.prompts], params, body.priority, user=body.user
             )
         # too long for the KV cache; a priority without the policy
         except ValueError as e:

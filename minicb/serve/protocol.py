@@ -31,6 +31,8 @@ from ..sampling_params import (
 
 INT64_MAX = 2**63 - 1
 MAX_N = 128  # OpenAI's bound on n; the engine also refuses more samples than max_num_seqs (400)
+# a tenant's name (`user`): an id, not a text; the scheduler keeps one counter per name it meets
+MAX_USER_CHARS = 256
 # a JSON number (an int too), never a bool
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -123,7 +125,8 @@ class SamplingFields(OpenAIModel):
     priority: Annotated[StrictInt, Field(ge=-INT64_MAX, le=INT64_MAX)] = 0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None  # accepted, unused
+    # OpenAI's: names the tenant, whom scheduling_policy="vtc" serves fairly (others ignore it)
+    user: Annotated[StrictStr, Field(max_length=MAX_USER_CHARS)] | None = None
     # OpenAI's (json_object, json_schema) and vLLM's extra field (json, regex, choice, grammar)
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None
