@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import asdict, dataclass
 
 BATCHING_MODES = ("continuous", "static")
-SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")  # vLLM has the first two; "sjf" is minicb's
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "vtc")  # vLLM has the first two
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "gather", "flash_pages")
@@ -65,7 +65,8 @@ class EngineConfig:
     batching: str = "continuous"
     # Admission order, vLLM's names: "fcfs" (first come, first served) or "priority" (the LOWEST
     # priority value first, ties by arrival, and it may preempt a running request with a higher
-    # value). minicb adds "sjf": fewest max_tokens first, which vLLM does not have.
+    # value). minicb adds "sjf", fewest max_tokens first, and "vtc", the Virtual Token Counter of
+    # Sheng et al. (OSDI 2024): the tenant (`user`) served least first (core/fairness.py).
     scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True  # split long prompts so decodes keep running beside them
     preemption_mode: str = "recompute"  # when blocks run out: drop and re-prefill, or swap to CPU

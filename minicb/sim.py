@@ -27,6 +27,8 @@ class SimRequest:
     request_id: str | None = None  # default: its index in the input list
     # samples of one prompt: they fork after its prefill and share its blocks (copy-on-write)
     n: int = 1
+    # the tenant (OpenAI's `user`): scheduling_policy="vtc" serves tenants fairly, others ignore it
+    user: str | None = None
 
 
 @dataclass
@@ -39,6 +41,7 @@ class SimRequestResult:
     first_token_step: int | None
     finish_step: int | None
     num_preemptions: int
+    user: str | None = None
 
     @property
     def ttft_steps(self) -> int:
@@ -108,7 +111,7 @@ def simulate(
             )
         rid = sr.request_id if sr.request_id is not None else str(i)
         params = SamplingParams(max_tokens=sr.output_len, temperature=0.0, ignore_eos=True, n=sr.n)
-        pending.append((max(sr.arrival_step, 1), i, rid, tokens, params, sr.priority))
+        pending.append((max(sr.arrival_step, 1), i, rid, tokens, params, sr.priority, sr.user))
     # Arrival order (the FIFO key) is by arrival step, then by position in the list.
     pending.sort(key=lambda p: (p[0], p[1]))
     pending = [
@@ -116,10 +119,11 @@ def simulate(
             step,
             i,
             _with_samples(
-                Request(rid, tokens, params.for_sample(0), prio, arrival_index=rank), params.n
+                Request(rid, tokens, params.for_sample(0), prio, arrival_index=rank, user=user),
+                params.n,
             ),
         )
-        for rank, (step, i, rid, tokens, params, prio) in enumerate(pending)
+        for rank, (step, i, rid, tokens, params, prio, user) in enumerate(pending)
     ]
     by_index = [p[2] for p in sorted(pending, key=lambda p: p[1])]
 
@@ -148,6 +152,7 @@ def simulate(
             r.first_token_step,
             r.finish_step,
             r.num_preemptions,
+            r.user,
         )
         for i, r in enumerate(by_index)
     ]
@@ -165,6 +170,7 @@ def _with_samples(req: Request, n: int) -> Request:
             req.priority,
             arrival_index=req.arrival_index,
             sample_index=i,
+            user=req.user,
         )
         for i in range(1, n)
     ]

@@ -43,6 +43,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         prompt: str | None = None,
         sample_index: int = 0,
+        user: str | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt  # the text, when the prompt was given as text
@@ -52,6 +53,7 @@ class Request:
         # scheduling_policy="priority" serves the lowest value first, as vLLM
         self.priority = priority
         self.arrival_index = arrival_index  # order of arrival: FIFO key and tie-breaker
+        self.user = user  # the tenant (OpenAI's field), served fairly by scheduling_policy="vtc"
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache (0 again after recompute)
         # Async scheduling (vLLM V1's name): tokens sampled by a step still in flight, not yet in
@@ -158,5 +160,6 @@ class Request:
         return (
             f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
             f"out={self.num_output_tokens}/{self.params.max_tokens}, "
-            f"computed={self.num_computed_tokens}, slot={self.slot}, priority={self.priority})"
+            f"computed={self.num_computed_tokens}, slot={self.slot}, priority={self.priority}"
+            + (f", user={self.user!r})" if self.user is not None else ")")
         )

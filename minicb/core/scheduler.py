@@ -18,6 +18,7 @@ import heapq
 
 from ..config import EngineConfig
 from .block_manager import BlockManager
+from .fairness import VirtualTokenCounter
 from .limits import check_request
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
@@ -47,6 +48,8 @@ class Scheduler:
         self.finished: list[Request] = []  # finished or aborted since take_finished()
         # the step being scheduled: its estimated time (None: a token budget only)
         self.timer: StepTimer | None = None
+        # scheduling_policy="vtc": the service each tenant has received, in weighted tokens
+        self.fairness = VirtualTokenCounter() if config.scheduling_policy == "vtc" else None
         self.policy_key = {  # sort key: the request served first has the smallest key
             "fcfs": lambda r: r.arrival_index,
             "priority": lambda r: (
@@ -54,6 +57,7 @@ class Scheduler:
                 r.arrival_index,
             ),  # the lowest value first, as in vLLM
             "sjf": lambda r: (r.params.max_tokens, r.arrival_index),
+            "vtc": lambda r: self.fairness.key(r),  # the least served tenant first (it changes)
         }[config.scheduling_policy]
 
     # ------------------------------------------------------------------ requests in and out
@@ -65,6 +69,8 @@ class Scheduler:
             self.config, req.num_prompt_tokens, req.params.max_tokens, req.priority, req.num_seqs
         )
         self.requests[req.request_id] = req
+        if self.fairness is not None:  # the counter lift (the queues' order stays: it was not in)
+            self.fairness.on_arrival(req.user, self.waiting + self.swapped)
         bisect.insort(self.waiting, req, key=self.policy_key)
 
     def abort_request(
@@ -299,6 +305,7 @@ class Scheduler:
             out.blocks_to_swap_in += bm.swap_in(req)
             bm.allocate(req, req.num_computed_tokens + num_new)
             self._take_slot(req)
+            self._charge_tenants([req], [])
             out.swapped_in.append(req.request_id)
             rows.append(self._row(req, num_new))
             budget -= num_new
@@ -341,6 +348,7 @@ class Scheduler:
             bm.allocate(req, computed + num_new, hits)
             req.num_computed_tokens = computed
             self._take_slot(req)
+            self._charge_tenants([req], [])  # before the next pick
             if c.batching == "static":
                 self.static_batch.add(req.request_id)
             if num_new:  # a recomputed request whose prefix is all cached may need just a decode
@@ -413,7 +421,16 @@ class Scheduler:
                 seq.first_token_step = seq.first_token_step or out.step
                 if stop is not None:
                     self._finish(seq, stop)
+        self._charge_tenants([], touched)
         return touched
+
+    def _charge_tenants(self, admitted: list[Request], sampled: list[Request]) -> None:
+        """VTC (fairness.py): charge each tenant the service just given, then rank the queues by the
+        counters of now. (The other policies' keys never change: their queues stay sorted.)"""
+        if self.fairness is not None:
+            self.fairness.charge(admitted, sampled)
+            self.waiting.sort(key=self.policy_key)
+            self.swapped.sort(key=self.policy_key)
 
     def _count_computed(self, req: Request, row: ScheduledRequest, rejected: int) -> None:
         """The row's tokens have K/V now, but for `rejected` drafts."""

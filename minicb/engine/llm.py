@@ -55,7 +55,7 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def _add_all(self, prompts, sampling_params, priority) -> list[str]:
+    def _add_all(self, prompts, sampling_params, priority, user=None) -> list[str]:
         prompts = _prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
@@ -67,10 +67,11 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        users = _user_list(user, len(prompts))
         ids = []
         try:
-            for prompt, p, prio in zip(prompts, sampling_params, priority):
-                ids.append(self.engine.add_request(prompt, p, prio))
+            for prompt, p, prio, u in zip(prompts, sampling_params, priority, users):
+                ids.append(self.engine.add_request(prompt, p, prio, user=u))
         except ValueError as e:  # all or nothing: a bad prompt leaves nothing behind
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -83,14 +84,17 @@ class LLM:
         sampling_params=None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        user: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; one RequestOutput per prompt, in input order.
 
         prompts: a string, a list of token ids, {"prompt": text} or {"prompt_token_ids": ids}, or a
         list of those. sampling_params: one for all prompts, or a list with one per prompt.
         priority: one int per prompt, the lowest served first (needs
-        scheduling_policy="priority")."""
-        ids = self._add_all(prompts, sampling_params, priority)
+        scheduling_policy="priority"). user: the tenant (OpenAI's field), one for all prompts or a
+        list with one per prompt; scheduling_policy="vtc" serves tenants fairly, the other policies
+        ignore it."""
+        ids = self._add_all(prompts, sampling_params, priority, user)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -161,10 +165,12 @@ class LLM:
             self.engine.drain()
         return [search.output(inst) for inst in search.instances]
 
-    def stream(self, prompts, sampling_params=None, priority=None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompts, sampling_params=None, priority=None, user=None
+    ) -> Iterator[RequestOutput]:
         """minicb: yield a RequestOutput each time a request gets a token (`.finished` on its
-        last)."""
-        ids = set(self._add_all(prompts, sampling_params, priority))
+        last). priority and user: as generate() takes them."""
+        ids = set(self._add_all(prompts, sampling_params, priority, user))
         remaining = set(ids)
         try:
             while remaining:
@@ -177,6 +183,19 @@ class LLM:
             for rid in remaining:
                 self.engine.abort_request(rid)
             self.engine.drain()
+
+
+def _user_list(user, num_prompts: int) -> list:
+    """The tenant of each prompt: one name (or None) for all, or a list with one per prompt."""
+    if user is None or isinstance(user, str):
+        return [user] * num_prompts
+    users = list(user)
+    if len(users) != num_prompts:
+        raise ValueError(f"got {len(users)} users for {num_prompts} prompts")
+    bad = [u for u in users if u is not None and not isinstance(u, str)]
+    if bad:
+        raise ValueError(f"user must be a str or None (the tenant's name), got {bad[0]!r}")
+    return users
 
 
 def _prompt_list(prompts) -> list:

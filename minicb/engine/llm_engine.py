@@ -94,17 +94,19 @@ class Engine:
         params: SamplingParams | None = None,
         priority: int = 0,
         request_id: str | None = None,
+        user: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids). Raises ValueError, changing nothing, if it can never
-        run."""
+        run. `user`: its tenant (OpenAI's field), whom scheduling_policy="vtc" serves fairly."""
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
-        self.add_samples(
-            self.input_processor.make_request(
-                prompt, params, priority, request_id, self.output_processor.owner
-            )
+        samples = self.input_processor.make_request(
+            prompt, params, priority, request_id, self.output_processor.owner
         )
+        for sample in samples:
+            sample.user = user
+        self.add_samples(samples)
         return request_id
 
     def add_samples(self, samples: list[Request]) -> None:
