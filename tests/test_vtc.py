@@ -199,6 +199,39 @@ def test_a_tenant_back_from_idle_gets_no_burst(monkeypatch):
     assert unlifted_admitted == 0 and unlifted_share < 0.25  # the burst the lift prevents
 
 
+def steady_then_burst():
+    """A sends one request every 4 steps, which 8 slots serve at once (A never waits in the queue);
+    B is idle until step 100, then sends 24 requests at once."""
+    return [SimRequest(16, 16, 1 + 4 * i, user="A") for i in range(60)] + [
+        SimRequest(16, 16, 100, user="B") for _ in range(24)
+    ]
+
+
+def a_waits_during_burst(res) -> list[int]:
+    last = max(r.admitted_step for r in res.requests if r.user == "B")
+    return [r.ttft_steps for r in res.requests if r.user == "A" and 100 <= r.arrival_step <= last]
+
+
+def test_a_tenant_back_to_an_empty_queue_is_lifted_too(monkeypatch):
+    """When nobody is queued, the paper lifts the newcomer to the counter of the tenant that left
+    the queue last. B's burst then shares the slots with A's steady requests, which wait a few
+    steps. With the artifact's rule alone (lift only when someone is queued) B would come back
+    with the counter it had when it went idle, and A's requests would wait behind its whole
+    burst."""
+    config = cfg(max_num_seqs=8, max_num_batched_tokens=64, scheduling_policy="vtc")
+    lifted = a_waits_during_burst(simulate(steady_then_burst(), config))
+
+    def lift_only_when_queued(self, user, queued):
+        queued_users = {r.user for r in queued}
+        if queued_users and user not in queued_users:
+            self.counters[user] = max(self.counter(user), min(map(self.counter, queued_users)))
+
+    monkeypatch.setattr(VirtualTokenCounter, "on_arrival", lift_only_when_queued)
+    unlifted = a_waits_during_burst(simulate(steady_then_burst(), config))
+    print(f"A's TTFT during B's burst: at most {max(lifted)} steps; without it {max(unlifted)}")
+    assert max(lifted) <= 12 and max(unlifted) >= 30
+
+
 def request(rid, user, prompt_len=4, arrival_index=0):
     return Request(
         rid, [5] * prompt_len, SamplingParams(max_tokens=4), user=user, arrival_index=arrival_index

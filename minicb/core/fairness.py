@@ -13,15 +13,16 @@ per generated (output) token, the paper's cost h(n_p, n_q) = w_p * n_p + w_q * n
   - every generated token charges w_q to its tenant, after the step that produced it;
   - the counter lift: a tenant with no request in the queue that sends one has its counter raised
     to the smallest counter among the tenants in the queue (when the queue is empty, to the counter
-    of the tenant that left it last), never lowered. Without it a tenant idle for an hour would come
-    back far below the others and take the whole batch until it caught up: credit banked while
-    idle. With it, it is served fairly from the moment it is back, and never less than fairly.
+    of the tenant that left it last: the paper's Algorithm 2; its artifact lifts only in the first
+    case), never lowered. Without it a tenant idle for an hour would come back far below the
+    others and take the whole batch until it caught up: credit banked while idle. With it, it is
+    served fairly from the moment it is back, and never less than fairly.
 The paper proves that two tenants backlogged over the same period receive service that differs by a
 bounded amount, however long the period: each gets an equal share of the weighted tokens.
 
 Weights: w_p = 1, w_q = 2, those of the paper's evaluation (the VTCReqQueue of its artifact,
 github.com/Ying1123/VTC-artifact, slora/server/router/vtc_req_queue.py, defaults to input_price=1,
-output_price=2): an output token costs twice an input token, as in the paid APIs of the day.
+output_price=2): an output token, computed alone in a decode step, costs twice an input token.
 
 What minicb adds where the paper has nothing to follow (S-LoRA reserves a request's whole output, so
 it never preempts, and computes a prompt in one piece):
