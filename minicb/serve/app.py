@@ -56,7 +56,6 @@ from starlette.exceptions import HTTPException
 from ..sampling_params import SamplingParams
 from ..structured_output import GrammarError, grammar_text
 from .auth import APIKeyAuth, check_keys, document_bearer_auth
-from .engine_core import RemoteEngine
 from .engine_loop import AsyncEngine, QueueFullError, RequestStream
 from .limits import RequestBounds, RequestLimits, max_chars_per_token
 from .prompts import room_for_reply, tokenize_chat, tokenize_prompts
@@ -258,13 +257,9 @@ def build_app(
         ).response()
 
     def check_engine() -> None:
-        """503 naming what died: the engine core (with its exit code) or the engine loop."""
-        failure = async_engine.fatal_error
-        core = engine.process if isinstance(engine, RemoteEngine) else None
-        if failure is None and core is not None and not core.is_alive():  # died while idle
-            failure = f"the engine core process died (exit code {core.exitcode})"
-        if failure is None and not async_engine.is_running:
-            failure = "the engine loop is not running"
+        """503 naming what died: the engine core (with its exit code) or the engine loop; with
+        data parallelism, only once no replica can serve."""
+        failure = async_engine.failure()
         if failure is not None:
             raise APIError(503, failure, kind="server_error")
 

@@ -4,6 +4,7 @@ notebooks."""
 import argparse
 import ipaddress
 import json
+import os
 import resource
 import sys
 import threading
@@ -12,6 +13,7 @@ from dataclasses import fields
 
 import uvicorn
 
+from ..engine.router import DEFAULT_BALANCE_THRESHOLD, ROUTING_POLICIES
 from .app import build_app
 from .auth import ENV_VAR, api_keys_from
 from .connections import ConnectionLimits
@@ -237,6 +239,31 @@ def add_arguments(parser) -> None:
         help="torch threads of the engine-core process (default: one per CPU core); on a small "
         "CPU, one fewer leaves a core to the API process (HTTP, detokenization)",
     )
+    fleet = parser.add_argument_group("data parallelism: replicas behind this one server")
+    fleet.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N engine cores, each a whole replica with its own scheduler, KV cache and metrics "
+        "(vLLM's flag); on a CPU they share its cores (--core-threads each; by default an equal "
+        "share)",
+    )
+    fleet.add_argument(
+        "--routing-policy",
+        choices=ROUTING_POLICIES,
+        default="least_loaded",
+        help="which replica takes a request: round_robin, least_loaded (vLLM's: fewest waiting "
+        "x 4 + running) or cache_aware (the longest expected prefix-cache hit, SGLang's router's "
+        "idea) (default least_loaded)",
+    )
+    fleet.add_argument(
+        "--balance-threshold",
+        type=int,
+        default=DEFAULT_BALANCE_THRESHOLD,
+        help="cache_aware: a load gap (in least_loaded's score) past which a request goes to the "
+        f"least loaded replica whatever its prefix (default {DEFAULT_BALANCE_THRESHOLD})",
+    )
     parser.add_argument(
         "--request-log",
         default=None,
@@ -325,28 +352,50 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def main(args) -> None:
-    try:
-        api_keys = api_keys_from(args.api_key)
-    except ValueError as e:
-        raise SystemExit(f"minicb: {e}") from None
+def make_engines(args) -> list:
+    """One engine per data-parallel replica: Engines in this process with --engine-in-process,
+    else RemoteEngines, each with a core process of its own."""
+    n = args.data_parallel_size
+    if n < 1:
+        raise SystemExit(f"--data-parallel-size must be at least 1, got {n}")
     if args.engine_in_process and args.core_threads is not None:
         raise SystemExit(
             "--core-threads sets the threads of the engine-core process; with --engine-in-process "
             "there is none (torch uses one thread per core in the server's process)"
         )
+    if n > 1 and args.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < n:
+            raise SystemExit(
+                f"--data-parallel-size {n} needs a GPU per replica, found "
+                f"{torch.cuda.device_count()}"
+            )
+    configs = [engine_config(args) for _ in range(n)]
+    if n > 1 and args.device.startswith("cuda"):
+        for i, c in enumerate(configs):  # replica i on GPU i
+            c.device = f"cuda:{i}"
     if args.engine_in_process:
         from ..engine.llm_engine import Engine
 
-        engine = Engine(engine_config(args))
-    else:  # the default: the core schedules and steps in its own process, this one speaks HTTP
-        from .engine_core import RemoteEngine
+        return [Engine(c) for c in configs]
+    from .engine_core import RemoteEngine
 
-        if args.core_threads is not None and args.core_threads < 1:
-            raise SystemExit(f"--core-threads must be at least 1, got {args.core_threads}")
-        engine = RemoteEngine(
-            engine_config(args), core_threads=args.core_threads, trace_steps=args.trace_steps
-        )
+    threads = args.core_threads
+    if threads is not None and threads < 1:
+        raise SystemExit(f"--core-threads must be at least 1, got {threads}")
+    if threads is None and n > 1:  # replicas on one CPU share its cores
+        threads = max(1, (os.cpu_count() or 1) // n)
+    return [RemoteEngine(c, core_threads=threads, trace_steps=args.trace_steps) for c in configs]
+
+
+def main(args) -> None:
+    try:
+        api_keys = api_keys_from(args.api_key)
+    except ValueError as e:
+        raise SystemExit(f"minicb: {e}") from None
+    engines = make_engines(args)
+    engine = engines[0]
     request_limits = RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)})
     connections = ConnectionLimits(
         **{f.name: getattr(args, f.name) for f in fields(ConnectionLimits)}
@@ -357,15 +406,22 @@ def main(args) -> None:
         print(f"minicb: the engine can serve no more ({message}); exiting", flush=True)
         server.should_exit = True  # uvicorn's main loop checks it ten times a second
 
-    async_engine = AsyncEngine(
-        engine,
-        args.max_waiting,
-        args.trace_steps,
-        args.request_log,
-        args.served_model_name,
+    kwargs = dict(
+        max_waiting=args.max_waiting,
+        trace_steps=args.trace_steps,
+        request_log=args.request_log,
+        served_model_name=args.served_model_name,
         stall_timeout_s=args.stream_stall_timeout,
         on_fatal=on_fatal,
     )
+    if len(engines) > 1:
+        from .data_parallel import DataParallelEngine
+
+        async_engine = DataParallelEngine(
+            engines, args.routing_policy, args.balance_threshold, **kwargs
+        )
+    else:
+        async_engine = AsyncEngine(engine, **kwargs)
     app = build_app(
         async_engine,
         args.served_model_name,
@@ -384,6 +440,8 @@ def main(args) -> None:
         if args.engine_in_process
         else f"in its own process, {engine.core_threads} torch threads"
     )
+    if len(engines) > 1:
+        where = f"{where}; {len(engines)} replicas, routed {args.routing_policy}"
     # never the key itself: a banner ends up in terminals, logs and screenshots
     access = "an API key required" if api_keys else "no API key"
     print(

@@ -88,15 +88,22 @@ class RemoteEngine:
         return self.input_processor.tokenize(prompt)
 
     def add_request(
-        self, prompt, params=None, priority: int = 0, request_id: str | None = None
+        self,
+        prompt,
+        params=None,
+        priority: int = 0,
+        request_id: str | None = None,
+        user: str | None = None,
     ) -> str:
         """Check and make the request here (ValueError, nothing sent, if it can never run), then
-        send it."""
+        send it; `user` (the tenant) travels with the request."""
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
         samples = self.input_processor.make_request(
             prompt, params, priority, request_id, self.output_processor.owner
         )
+        for sample in samples:
+            sample.user = user
         self._send("add", samples)
         self.output_processor.add_request(samples)
         return request_id

@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from ..sampling_params import SamplingParams
 from .engine_core import RemoteEngine
@@ -63,10 +63,13 @@ class AsyncEngine:
         served_model_name: str | None = None,
         stall_timeout_s: float = 60.0,
         on_fatal: Callable[[str], None] | None = None,
+        stream_ids: Iterator[int] | None = None,
     ):
         """`stall_timeout_s`: a stream whose outputs wait this long for a client that takes none is
         aborted (60 s: far above a reading client's pauses, short against a long request's life).
-        `on_fatal(message)`: called once, on the engine loop's thread, when fatal_error is set."""
+        `on_fatal(message)`: called once, on the engine loop's thread, when fatal_error is set.
+        `stream_ids`: where the streams' ids come from (data-parallel replicas share one count, so
+        that no two responses of the server have the same id)."""
         if not isinstance(max_waiting, int) or max_waiting < 1:
             raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
         if not isinstance(stall_timeout_s, (int, float)) or not stall_timeout_s > 0:
@@ -83,7 +86,7 @@ class AsyncEngine:
             engine.trace.max_steps = trace_steps
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # touched by the engine loop only
-        self._ids = itertools.count()
+        self._ids = stream_ids if stream_ids is not None else itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         # written by the loop, read by /metrics
@@ -110,24 +113,42 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         """The engine loop runs, and so does the engine core if it has a process of its own."""
-        alive = self.engine.is_alive() if isinstance(self.engine, RemoteEngine) else True
+        return self.failure() is None
+
+    def failure(self) -> str | None:
+        """Why this engine cannot serve, None while it can: its fatal error, its core process found
+        dead (while idle, no step noticed it yet), or its loop not running."""
+        if self.fatal_error is not None:
+            return self.fatal_error
+        if isinstance(self.engine, RemoteEngine) and not self.engine.is_alive():
+            return f"the engine core process died (exit code {self.engine.process.exitcode})"
         loop_runs = self._thread is not None and self._thread.is_alive()
-        return self.fatal_error is None and loop_runs and alive
+        return None if loop_runs else "the engine loop is not running"
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) as the engine loop last published them; swapped requests wait too."""
+        g = self.metrics.gauges
+        waiting = g.get("num_requests_waiting", 0) + g.get("num_requests_swapped", 0)
+        return g.get("num_requests_running", 0), waiting
 
     # ------------------------------------------------------------------ called from the event loop
     async def submit(
-        self, prompts: list[list[int]], params: SamplingParams, priority: int = 0
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        priority: int = 0,
+        user: str | None = None,
     ) -> RequestStream:
         """Hand the prompts of one HTTP request to the engine loop, one engine request each, all or
-        nothing. Raises ValueError (the engine refuses one, e.g. too long for max_model_len) or
-        QueueFullError; in both cases nothing was queued."""
-        if not self.is_running:
-            dead_core = isinstance(self.engine, RemoteEngine) and not self.engine.is_alive()
-            why = "the engine core process died" if dead_core else "the engine loop is not running"
-            raise RuntimeError(self.fatal_error or why)
+        nothing. `user` names the tenant (OpenAI's field; scheduling_policy="vtc" is fair between
+        tenants, the other policies ignore it). Raises ValueError (the engine refuses one, e.g. too
+        long for max_model_len) or QueueFullError; in both cases nothing was queued."""
+        failure = self.failure()
+        if failure is not None:
+            raise RuntimeError(failure)
         stream = RequestStream(str(next(self._ids)), len(prompts), self.abort)
         accepted = self._loop.create_future()
-        self._inbox.put(("add", stream, prompts, params, priority, accepted))
+        self._inbox.put(("add", stream, prompts, params, priority, user, accepted))
         try:
             await accepted
         except asyncio.CancelledError:  # the client left before the engine answered
@@ -197,6 +218,7 @@ class AsyncEngine:
         prompts: list[list[int]],
         params,
         priority,
+        user: str | None,
         accepted: asyncio.Future,
     ) -> None:
         error = None
@@ -218,7 +240,7 @@ class AsyncEngine:
             try:
                 for request_id, prompt_token_ids in zip(stream.request_ids, prompts):
                     self.engine.add_request(
-                        prompt_token_ids, params, priority, request_id=request_id
+                        prompt_token_ids, params, priority, request_id=request_id, user=user
                     )
                     added.append(request_id)
             except Exception as e:  # all or nothing: no step ran since the first was added

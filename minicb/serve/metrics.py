@@ -408,6 +408,11 @@ class ServerMetrics:
         with self._lock:
             return generate_latest(self.registry).decode()
 
+    def families(self) -> list:
+        """Every metric family with its samples now (a data-parallel server merges them)."""
+        with self._lock:
+            return list(self.registry.collect())
+
     def value(self, name: str, **labels: str) -> float | None:
         """One sample's value as /metrics shows it (e.g. value("minicb:engine_steps_total")), None
         if absent."""
