@@ -175,3 +175,13 @@ def _with_samples(req: Request, n: int) -> Request:
         for i in range(1, n)
     ]
     return req
+
+
+def __getattr__(name):
+    """The fleet simulator (minicb/reference/fleet.py: several replicas of this scheduler behind a
+    router) is reached from here too; imported on first use, since it builds on this module."""
+    if name in ("simulate_fleet", "multi_turn_workload"):
+        from .reference import fleet
+
+        return getattr(fleet, name)
+    raise AttributeError(f"module 'minicb.sim' has no attribute {name!r}")

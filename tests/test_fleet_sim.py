@@ -128,3 +128,13 @@ def test_bad_workloads_name_the_field():
         multi_turn_workload(2, 2, 8, 8, 8, 1, length_spread=1.0)
     with pytest.raises(ValueError, match="round_robin, least_loaded, cache_aware"):
         simulate_fleet(multi_turn_workload(1, 1, 8, 8, 8, 1), 2, "random", CONFIG)
+
+
+def test_the_fleet_simulator_is_reached_from_minicb_sim():
+    import minicb.reference.fleet as fleet
+    import minicb.sim as sim
+
+    assert sim.simulate_fleet is fleet.simulate_fleet
+    assert sim.multi_turn_workload is fleet.multi_turn_workload
+    with pytest.raises(AttributeError, match="no attribute 'simulate_fleets'"):
+        sim.simulate_fleets
