@@ -40,8 +40,11 @@ PACKAGE = ROOT / "minicb"
 # a step's placeholder tokens from the step before on the device and leaves its own there (+30; the
 # rest sits in worker/executor.py), and a speculative row is ONE decode row of 1 + k queries (+105):
 # the metadata of such rows, the padded decode over right-aligned query slots, the graphs of uniform
-# verify batches (vLLM V1's uniform decode).
-ONE_STEP_LIMIT, FILE_LIMIT, METHOD_LIMIT, MAX_LINE = 2690, 300, 40, 100
+# verify batches (vLLM V1's uniform decode). 2725: tenant fairness (issue 34) adds a request's
+# tenant and the scheduler's hooks into core/fairness.py's Virtual Token Counter (+24), and the
+# prefix cache's hit counts at first admission (vLLM V1's num_cached_tokens and PrefixCacheStats,
+# +8).
+ONE_STEP_LIMIT, FILE_LIMIT, METHOD_LIMIT, MAX_LINE = 2725, 300, 40, 100
 # A file may be longer where splitting it would cut one idea in two: its limit and the reason.
 LONGER_FILES = {
     "serve.engine_loop": (
@@ -50,10 +53,11 @@ LONGER_FILES = {
         "liveness (failure, load) a data-parallel server routes by",
     ),
     "core.scheduler": (
-        390,
+        415,
         "schedule() and update() are one loop read together: admission (seats passed fairly), "
         "the token and time budgets, preemption and the bookkeeping after the step, with the two "
-        "hooks where AsyncScheduler counts a step before it has run",
+        "hooks where AsyncScheduler counts a step before it has run, where the Virtual Token "
+        "Counter charges tenants, and the prefix cache's hit counts",
     ),
 }
 # The floors, lowest first: a module imports from its own floor or the ones below, never above.

@@ -222,3 +222,28 @@ def test_a_full_replica_passes_the_request_on_and_503_means_the_fleet_is_full(mo
 def test_replicas_must_share_a_block_size(model_dir):
     with pytest.raises(ValueError, match="block_size"):
         DataParallelEngine([Engine(config(model_dir)), Engine(config(model_dir, block_size=8))])
+
+
+def test_cache_aware_routing_keeps_a_conversation_on_the_replica_that_caches_it(model_dir):
+    """Four turns of one conversation, each prompt the last one plus more: cache-aware routing
+    sends every turn to the replica holding its prefix, so /metrics shows the hits there;
+    round robin alternates and each replica recomputes what the other cached."""
+    hits = {}
+    for policy in ("cache_aware", "round_robin"):
+        engines = [Engine(config(model_dir)) for _ in range(2)]
+        with fleet(engines, routing_policy=policy) as (http, dp):
+            prompt = list(range(3, 23))
+            for turn in range(4):
+                body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+                r = http.post("/v1/completions", json=body)
+                prompt = prompt + r.json()["choices"][0]["token_ids"] + [30 + turn] * 5
+            m = parse_metrics(http.get("/metrics").text)
+            hits[policy] = by_replica(m, "vllm:prefix_cache_hits_total")
+            queries = by_replica(m, "vllm:prefix_cache_queries_total")
+            assert sum(queries.values()) == 20 + 29 + 38 + 47
+    print("prefix-cache hits per replica:", hits)
+    # A turn's cache holds the full blocks of 4 of its prompt and 3 of its 4 answers (the last is
+    # never fed back): 23, 32, 41 tokens -> 20, 32, 40 tokens of hits for turns 2-4.
+    assert hits["cache_aware"] == {"0": 20 + 32 + 40, "1": 0}
+    # round robin: turns 1 and 3 on replica 0 (turn 3 finds turn 1's 20), 2 and 4 on replica 1
+    assert hits["round_robin"] == {"0": 20, "1": 32}

@@ -233,6 +233,8 @@ def test_gauges_agree_with_a_real_scheduler(mode):
             spec_decode_num_drafts=0,
             spec_decode_num_draft_tokens=0,
             spec_decode_num_accepted_tokens=0,
+            prefix_cache_queries=sched.prefix_cache_queries,
+            prefix_cache_hits=sched.prefix_cache_hits,
         )
         assert stats["kv_blocks_used"] + stats["kv_blocks_free"] == 6
         assert stats["num_requests_running"] + stats["num_requests_waiting"] + stats[
@@ -291,3 +293,39 @@ def test_speculative_counters_follow_the_engines_totals():
         p["vllm:spec_decode_num_draft_tokens_total"],
         p["vllm:spec_decode_num_accepted_tokens_total"],
     ) == (2, 8, 3)
+
+
+def test_prefix_cache_counters_count_each_requests_first_admission():
+    """vllm:prefix_cache_queries / _hits (tokens): a request's prompt once, at its first admission,
+    and the full blocks the cache gave it; a recompute after preemption counts nothing again."""
+    shared = list(range(1, 13))  # three full blocks of 4
+    requests = [
+        SimRequest(prompt_len=14, output_len=3, prompt_token_ids=shared + [50, 51]),
+        SimRequest(
+            prompt_len=15, output_len=3, arrival_step=5, prompt_token_ids=shared + [60, 61, 62]
+        ),
+        SimRequest(prompt_len=6, output_len=2, arrival_step=5),  # nothing shared
+    ]
+    m = ServerMetrics("cache")
+    result = simulate(
+        requests,
+        EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4),
+        on_step=lambda sched, out: m.publish_gauges(scheduler_stats(sched)),
+    )
+    p = parse_metrics(m.text())
+    assert p["vllm:prefix_cache_queries_total"] == 14 + 15 + 6
+    assert p["vllm:prefix_cache_hits_total"] == 12  # the second request's three shared blocks
+    assert result.num_steps > 0
+
+    # under preemption: each request still counted once
+    m, sched_seen = ServerMetrics("preempt"), []
+
+    def publish(sched, out):
+        sched_seen.append(len(out.preempted))
+        m.publish_gauges(scheduler_stats(sched))
+
+    many = [SimRequest(prompt_len=8, output_len=12) for _ in range(6)]
+    simulate(many, EngineConfig(block_size=4, num_blocks=14, max_num_seqs=6), on_step=publish)
+    assert sum(sched_seen) > 0, "the workload was meant to preempt"
+    p = parse_metrics(m.text())
+    assert p["vllm:prefix_cache_queries_total"] == 6 * 8

@@ -79,6 +79,8 @@ class Request:
         # requests admitted before it while it waited for seats (Scheduler._next_to_admit)
         self.num_passed = 0
         self.admitted_step: int | None = None
+        # prompt tokens the prefix cache held at its first admission; -1 before (vLLM V1's name)
+        self.num_cached_tokens = -1
         self.first_token_step: int | None = None
         self.finish_step: int | None = None
         self.metrics = RequestMetrics()

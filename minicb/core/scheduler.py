@@ -45,6 +45,9 @@ class Scheduler:
         self.free_slots = list(range(config.max_num_seqs))  # a heap: lowest free slot first
         self.static_batch: set[str] = set()  # static mode: members of the batch being served
         self.step_count = 0
+        # prompt tokens looked up in, and found in, the prefix cache at first admissions (vLLM V1's
+        # PrefixCacheStats): the hit rate a cache-aware router is judged by
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.finished: list[Request] = []  # finished or aborted since take_finished()
         # the step being scheduled: its estimated time (None: a token budget only)
         self.timer: StepTimer | None = None
@@ -194,6 +197,10 @@ class Scheduler:
         when they get tokens."""
         out.admitted.append(req.request_id)
         req.admitted_step = req.admitted_step or out.step  # steps count from 1
+        if req.num_cached_tokens < 0:  # its first admission: what the cache gave (vLLM V1's count)
+            req.num_cached_tokens = req.num_computed_tokens
+            self.prefix_cache_queries += req.num_prompt_tokens
+            self.prefix_cache_hits += req.num_computed_tokens
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: who runs, with how many tokens. Three phases, in this order,
@@ -447,7 +454,7 @@ class Scheduler:
             child.token_ids = list(parent.token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
             child.block_hashes = list(parent.block_hashes)
-            child.admitted_step = parent.admitted_step
+            child.admitted_step, child.num_cached_tokens = parent.admitted_step, 0  # counted once
             self.block_manager.fork(parent.request_id, child.request_id)
             self.requests[child.request_id] = child
             self._take_slot(child)

@@ -50,6 +50,13 @@ Speculative decoding (publish_gauges, from the engine's totals; 0 when it is off
                                  rows that verified drafts, drafts verified, drafts accepted: the
                                  acceptance rate is rate(accepted) / rate(draft tokens), as in
                                  vLLM's dashboards
+The prefix cache (publish_gauges, from the scheduler's totals; vLLM V1's names, in tokens):
+  vllm:prefix_cache_queries, vllm:prefix_cache_hits
+                                 prompt tokens looked up and found in the cache when a request is
+                                 first admitted: the hit rate is rate(hits) / rate(queries); with
+                                 data parallelism, per replica (engine label), which is what a
+                                 cache-aware router is judged by. vLLM also counts the lookups of
+                                 preempted requests again; minicb counts a request once
 Admission (count_rejected):
   vllm:admission_rejections      requests refused because the server held max_num_seqs + max_waiting
                                  (HTTP 503), the rule of vLLM's --max-num-queued-reqs; vLLM adds a
@@ -191,6 +198,9 @@ def scheduler_stats(scheduler, spec_stats=None) -> dict[str, int]:
         kv_blocks_free=bm.num_free_blocks,
         kv_blocks_total=bm.num_blocks,
         block_size=bm.block_size,
+        # totals since the engine started, in prompt tokens: first admissions only
+        prefix_cache_queries=scheduler.prefix_cache_queries,
+        prefix_cache_hits=scheduler.prefix_cache_hits,
         **spec,
     )
 
@@ -267,7 +277,9 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.gauges: dict[str, int] = {}  # the last dict given to publish_gauges
-        self.spec_seen: dict[str, int] = {}  # speculative decoding's totals as last published
+        self.totals_seen: dict[
+            str, int
+        ] = {}  # the totals (speculative, prefix cache) last published
         self._lock = threading.Lock()
         reg, label = self.registry, ["model_name"]
 
@@ -340,6 +352,13 @@ class ServerMetrics:
                 ),
             )
         }
+        self.prefix_cache = {
+            k: counter(f"vllm:prefix_cache_{k}", doc)
+            for k, doc in (
+                ("queries", "Prompt tokens looked up in the prefix cache, at first admission."),
+                ("hits", "Prompt tokens found in the prefix cache, at first admission."),
+            )
+        }
         self.itl = histogram(
             "vllm:inter_token_latency_seconds",
             "Time between two consecutive output tokens, seconds.",
@@ -395,12 +414,12 @@ class ServerMetrics:
             self.kv_usage.set(stats["kv_blocks_used"] / total if total else 0.0)
             self.cache_config.clear()  # one series, with the newest labels
             self.cache_config.labels(str(stats["block_size"]), str(total)).set(1)
-            for (
-                key,
-                c,
-            ) in self.spec.items():  # totals in, counters out: add what is new since the last call
-                c.inc(max(0, stats.get(f"spec_decode_{key}", 0) - self.spec_seen.get(key, 0)))
-                self.spec_seen[key] = stats.get(f"spec_decode_{key}", 0)
+            # totals in, counters out: add what is new since the last call
+            counters = {f"spec_decode_{k}": c for k, c in self.spec.items()}
+            counters.update({f"prefix_cache_{k}": c for k, c in self.prefix_cache.items()})
+            for key, c in counters.items():
+                c.inc(max(0, stats.get(key, 0) - self.totals_seen.get(key, 0)))
+                self.totals_seen[key] = stats.get(key, 0)
 
     # ------------------------------------------------------------------ read by GET /metrics
     def text(self) -> str:
