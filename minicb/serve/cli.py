@@ -115,7 +115,9 @@ def add_engine_arguments(parser, max_num_seqs: int = 32, max_decode_slowdown: fl
         "--scheduling-policy",
         default="fcfs",
         choices=SCHEDULING_POLICIES,
-        help="fcfs, priority (a request's lowest 'priority' value first) or sjf",
+        help="fcfs, priority (a request's lowest 'priority' value first), sjf, or vtc (fair "
+        "between tenants named by the body's 'user' field: the Virtual Token Counter of Sheng et "
+        "al., OSDI 2024)",
     )
     parser.add_argument(
         "--max-decode-slowdown",

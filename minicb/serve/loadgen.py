@@ -104,7 +104,11 @@ async def server_state(client, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = parse_metrics((await client.get("/metrics")).text)
-        gauges = {name.split(":")[1]: m[name] for name in GAUGES}
+        # summed over a data-parallel server's replicas (its series carry an engine label)
+        gauges = {
+            name.split(":")[1]: sum(v for k, v in m.items() if k.split("{")[0] == name)
+            for name in GAUGES
+        }
         idle = gauges["num_requests_running"] == gauges["num_requests_waiting"] == 0
         if (idle and gauges["kv_blocks_used"] == 0) or time.monotonic() > deadline:
             return gauges
@@ -140,6 +144,9 @@ def serve_command(
             cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     if getattr(args, "core_threads", None) is not None and not in_process:
         cmd += ["--core-threads", str(args.core_threads)]
+    if getattr(args, "data_parallel_size", 1) > 1:
+        cmd += ["--data-parallel-size", str(args.data_parallel_size)]
+        cmd += ["--routing-policy", args.routing_policy]
     return cmd + (["--engine-in-process"] if in_process else [])
 
 

@@ -36,6 +36,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict
 
+from ..engine.router import ROUTING_POLICIES
 from ..metrics import mean_gap, percentile
 from .loadgen import CANCELLED, check_loopback, http_client, one_request, server_state, start_server
 
@@ -329,6 +330,20 @@ def main(argv=None) -> int:
             "serve's --core-threads: torch threads of its engine-core process "
             "(default: one per core)"
         ),
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve's --data-parallel-size: N replicas behind the server (the offline yardstick "
+        "stays one engine on the whole machine)",
+    )
+    p.add_argument(
+        "--routing-policy",
+        default="least_loaded",
+        choices=ROUTING_POLICIES,
+        help="serve's --routing-policy, with --data-parallel-size (default least_loaded)",
     )
     p.add_argument(
         "--max-waiting",
