@@ -195,7 +195,7 @@ def test_a_tenant_back_from_idle_gets_no_burst(monkeypatch):
     still be 0: B would take every admission until its burst was done, and A would starve."""
     config = cfg(max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy="vtc")
     a_admitted, a_share = burst_shares(simulate(idle_then_burst(), config))
-    monkeypatch.setattr(VirtualTokenCounter, "on_arrival", lambda self, user, queued: None)
+    monkeypatch.setattr(VirtualTokenCounter, "on_arrival", lambda self, user, *queues: None)
     unlifted_admitted, unlifted_share = burst_shares(simulate(idle_then_burst(), config))
     print(
         f"during B's burst A was admitted {a_admitted} times, share {a_share:.2f}; "
@@ -227,7 +227,7 @@ def test_a_tenant_back_to_an_empty_queue_is_lifted_too(monkeypatch):
     config = cfg(max_num_seqs=8, max_num_batched_tokens=64, scheduling_policy="vtc")
     lifted = a_waits_during_burst(simulate(steady_then_burst(), config))
 
-    def lift_only_when_queued(self, user, queued):
+    def lift_only_when_queued(self, user, queued, running=()):
         queued_users = {r.user for r in queued}
         if queued_users and user not in queued_users:
             self.counters[user] = max(self.counter(user), min(map(self.counter, queued_users)))
@@ -470,3 +470,29 @@ def test_generate_takes_one_user_or_one_per_prompt(loaded):
         llm.generate(["a"], params, use_tqdm=False, user=[7])
     assert not llm.engine.has_unfinished_requests()  # a refused call leaves nothing behind
     llm.engine.shutdown()
+
+
+def test_idle_tenants_are_forgotten_past_a_bound_and_come_back_at_the_floor(monkeypatch):
+    """A server's clients may name any number of tenants: past MAX_IDLE_TENANTS idle ones, the
+    counters of those at or below the lift's floor go first (nothing changes for them: back, they
+    would be lifted to the floor anyway), then the longest known; queued and running tenants and
+    the last to leave the queue are kept."""
+    import minicb.core.fairness as fairness
+
+    monkeypatch.setattr(fairness, "MAX_IDLE_TENANTS", 8)
+    vtc = VirtualTokenCounter()
+    queued, running = [request("q", "Q")], [request("r", "R")]
+    vtc.counters = {"Q": 50.0, "R": 900.0, "rich": 800.0}
+    for i in range(20):  # twenty one-off tenants, each served a little above the floor
+        vtc.on_arrival(f"t{i}", queued, running)
+        vtc.counters[f"t{i}"] += 10.0
+    assert len(vtc.counters) <= 3 + 1 + 8, vtc.counters  # bounded: active + last_left + the bound
+    assert {"Q", "R"} <= set(vtc.counters)
+    assert "t19" in vtc.counters  # the newest are kept, the oldest forgotten
+    forgotten = next(f"t{i}" for i in range(20) if f"t{i}" not in vtc.counters)
+    vtc.on_arrival(forgotten, queued, running)
+    assert vtc.counter(forgotten) == 50.0  # back at the floor, as a newcomer
+    # below the floor goes first: a tenant served less than the floor is forgotten before "rich"
+    vtc.counters = {"Q": 50.0, "rich": 800.0, **{f"p{i}": 10.0 for i in range(12)}}
+    vtc.on_arrival("new", queued, [])
+    assert "rich" in vtc.counters and len(vtc.counters) <= 2 + 1 + 8

@@ -40,6 +40,12 @@ from .request import Request
 
 INPUT_TOKEN_WEIGHT = 1.0  # w_p: the paper's evaluation
 OUTPUT_TOKEN_WEIGHT = 2.0  # w_q: an output token costs twice an input one
+# Counters kept at most for tenants with nothing in the engine. A server's clients name tenants
+# freely, and a counter for every name ever seen would grow without bound. Past this many, idle
+# tenants are forgotten, those at or below the lift's floor first (that changes nothing: they would
+# come back at the floor anyway), then the longest known; one of those, back, starts at the floor
+# as a newcomer does, its excess service forgotten: a bounded error traded for bounded memory.
+MAX_IDLE_TENANTS = 4096
 
 
 class VirtualTokenCounter:
@@ -66,14 +72,28 @@ class VirtualTokenCounter:
         """The scheduler's sort key: the least served tenant first, then arrival within it."""
         return self.counter(req.user), req.arrival_index
 
-    def on_arrival(self, user: str | None, queued: list[Request]) -> None:
+    def on_arrival(
+        self, user: str | None, queued: list[Request], running: list[Request] = ()
+    ) -> None:
         """A request of `user` arrives; `queued` is the queue before it (waiting and swapped). The
-        counter lift: a tenant not in the queue starts level with the least served one in it."""
+        counter lift: a tenant not in the queue starts level with the least served one in it.
+        `running`: the requests in the batch (their tenants are never forgotten)."""
         queued_users = {r.user for r in queued}
         if user in queued_users:
             return  # backlogged already: its counter runs on
         floor = min(map(self.counter, queued_users), default=self.counter(self.last_left))
         self.counters[user] = max(self.counter(user), floor)
+        active = queued_users | {r.user for r in running} | {user, self.last_left}
+        if len(self.counters) > len(active) + MAX_IDLE_TENANTS:
+            self._forget_idle(active, floor)
+
+    def _forget_idle(self, active: set, floor: float) -> None:
+        """Down to half the bound of idle tenants: those at or below `floor` first, then the
+        longest known (a dict keeps its keys in the order they came)."""
+        idle = [u for u in self.counters if u not in active]
+        by_need = sorted(idle, key=lambda u: self.counters[u] > floor)  # stable: oldest first
+        for u in by_need[: len(idle) - MAX_IDLE_TENANTS // 2]:
+            del self.counters[u]
 
     def charge(self, admitted: list[Request], sampled: list[Request]) -> None:
         """Service just given: requests admitted (their prompts, w_p each token, at the first

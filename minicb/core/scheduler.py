@@ -73,7 +73,7 @@ class Scheduler:
         )
         self.requests[req.request_id] = req
         if self.fairness is not None:  # the counter lift (the queues' order stays: it was not in)
-            self.fairness.on_arrival(req.user, self.waiting + self.swapped)
+            self.fairness.on_arrival(req.user, self.waiting + self.swapped, self.running)
         bisect.insort(self.waiting, req, key=self.policy_key)
 
     def abort_request(
