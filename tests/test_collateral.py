@@ -176,8 +176,8 @@ class Submissions:
         self.queued = threading.Condition()
         submit = async_engine.submit
 
-        async def recording(prompts, params, priority=0):
-            pending = asyncio.ensure_future(submit(prompts, params, priority))
+        async def recording(prompts, params, priority=0, user=None):
+            pending = asyncio.ensure_future(submit(prompts, params, priority, user))
             await asyncio.sleep(0)  # submit runs to its first await: the request is queued
             with self.queued:
                 index = self.num_queued
