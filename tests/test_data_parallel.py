@@ -247,3 +247,26 @@ def test_cache_aware_routing_keeps_a_conversation_on_the_replica_that_caches_it(
     assert hits["cache_aware"] == {"0": 20 + 32 + 40, "1": 0}
     # round robin: turns 1 and 3 on replica 0 (turn 3 finds turn 1's 20), 2 and 4 on replica 1
     assert hits["round_robin"] == {"0": 20, "1": 32}
+
+
+def test_requests_sent_between_two_core_steps_count_in_the_load(model_dir):
+    """A core reports a request in its stats only after its next step: until then the API process
+    counts it as waiting, so that requests sent back to back spread over least-loaded replicas
+    instead of all seeing the same stale "idle" replica."""
+    engines = [RemoteEngine(config(model_dir), core_threads=1) for _ in range(2)]
+    dp = DataParallelEngine(engines, routing_policy="least_loaded")
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+
+    async def send():
+        dp.start(asyncio.get_running_loop())
+        try:
+            streams = [await dp.submit([[5, 6, 7 + i]], params) for i in range(6)]
+            held = [r.engine.num_unfinished_requests for r in dp.replicas]
+            for s in streams:
+                for r in dp.replicas:
+                    r.abort(s.request_ids)
+            return held
+        finally:
+            await asyncio.to_thread(dp.stop)
+
+    assert asyncio.run(send()) == [3, 3]

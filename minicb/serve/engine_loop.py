@@ -126,10 +126,15 @@ class AsyncEngine:
         return None if loop_runs else "the engine loop is not running"
 
     def load(self) -> tuple[int, int]:
-        """(running, waiting) as the engine loop last published them; swapped requests wait too."""
+        """(running, waiting) for a router: the gauges as the engine loop last published them,
+        with every other unfinished request this process holds counted as waiting (a core reports
+        a request only after its next step; vLLM V1's client counts what it sent meanwhile the
+        same way). Swapped requests wait too."""
         g = self.metrics.gauges
+        running = g.get("num_requests_running", 0)
         waiting = g.get("num_requests_waiting", 0) + g.get("num_requests_swapped", 0)
-        return g.get("num_requests_running", 0), waiting
+        held = len(self.engine.output_processor.samples)  # a dict's len: safe from this thread
+        return running, max(waiting, held - running)
 
     # ------------------------------------------------------------------ called from the event loop
     async def submit(
