@@ -209,6 +209,9 @@ def test_a_full_replica_passes_the_request_on_and_503_means_the_fleet_is_full(mo
             with pytest.raises(Exception, match="every replica is full"):
                 await dp.submit([[5, 6, 7]], params)
             held = [len(r.engine.output_processor.samples) for r in dp.replicas]
+            name = dp.replicas[0].metrics.model_name
+            fleet_503 = "minicb:fleet_admission_rejections_total"
+            assert dp.registry.get_sample_value(fleet_503, {"model_name": name}) == 1
             for s in streams:
                 dp.replicas[0].abort(s.request_ids)
                 dp.replicas[1].abort(s.request_ids)
@@ -337,3 +340,62 @@ def test_python_m_minicb_serve_data_parallel_end_to_end(model_dir):
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
     assert "2 replicas, routed round_robin" in out, out[-2000:]
+
+
+def test_a_request_that_fails_alone_is_refused_alone_and_every_replica_stays(model_dir):
+    """A request whose own inputs break add_request (not a full or a dead replica) gets its error;
+    the fleet does not take it for a replica's death and keeps all its replicas."""
+    engines = [Engine(config(model_dir)) for _ in range(2)]
+    for engine in engines:
+        add = engine.add_request
+
+        def broken(prompt, *args, add=add, **kw):
+            if 99 in prompt:
+                raise TypeError("a bug this prompt finds")
+            return add(prompt, *args, **kw)
+
+        engine.add_request = broken
+    dp = DataParallelEngine(engines, routing_policy="round_robin")
+    params = SamplingParams(max_tokens=2, temperature=0)
+
+    async def send():
+        dp.start(asyncio.get_running_loop())
+        try:
+            with pytest.raises(RuntimeError, match="a bug this prompt finds"):
+                await dp.submit([[5, 99]], params)
+            last = []
+            for _ in range(2):
+                batches = [outputs async for outputs in await dp.submit([[5, 6]], params)]
+                last.append(batches[-1][0])  # each batch: the stream's newest outputs
+            assert not dp._dead and dp.fatal_error is None  # both replicas still serve
+            return last
+        finally:
+            await asyncio.to_thread(dp.stop)
+
+    outs = asyncio.run(send())
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+
+
+def test_cache_aware_remembers_where_a_passed_on_request_went(model_dir):
+    """A request cache-aware routing sent to a full replica runs on another: the router learns
+    that the other now holds its prefix."""
+    engines = [Engine(config(model_dir, max_num_seqs=1)) for _ in range(2)]
+    dp = DataParallelEngine(engines, routing_policy="cache_aware", max_waiting=1)
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    prompt = list(range(3, 19))  # four full blocks of 4
+
+    async def send():
+        dp.start(asyncio.get_running_loop())
+        try:
+            first = [await dp.submit([prompt], params) for _ in range(2)]  # replica 0 is full now
+            passed_on = await dp.submit([prompt], params)  # cache-aware picks 0; 1 takes it
+            held = [len(r.engine.output_processor.samples) for r in dp.replicas]
+            for s in [*first, passed_on]:
+                for r in dp.replicas:
+                    r.abort(s.request_ids)
+            return held
+        finally:
+            await asyncio.to_thread(dp.stop)
+
+    assert asyncio.run(send()) == [2, 1]
+    assert dp.router.expected_hits(prompt) == [4, 4]

@@ -209,6 +209,10 @@ class CacheAwareRouter(Router):
         self._remember(chosen, hashes)
         return chosen
 
+    def remember(self, replica: int, prompt_token_ids: list[int]) -> None:
+        """The prompt went to `replica` after all (the one chosen was full): remember it there."""
+        self._remember(replica, self.block_hashes(prompt_token_ids))
+
     def _remember(self, replica: int, hashes: list[int]) -> None:
         seen = self.remembered[replica]
         # Deepest block first, so the prompt's first block is the most recent: eviction then takes

@@ -95,6 +95,16 @@ class DataParallelEngine:
         name = self.replicas[0].metrics.model_name
         for i in range(len(engines)):
             self.routed.labels(name, str(i))
+        # a replica's own vllm:admission_rejections counts what it refused, some of which the next
+        # replica took; this counts the 503s: every replica was full
+        self.rejected = Counter(
+            "minicb:fleet_admission_rejections",
+            "Requests refused because every replica was full (HTTP 503).",
+            ["model_name"],
+            registry=self.registry,
+        )
+        self.rejected.labels(name)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ what build_app uses
     @property
@@ -123,6 +133,7 @@ class DataParallelEngine:
         return any(r.is_running for r in self.replicas)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
         for r in self.replicas:
             r.start(loop)
 
@@ -164,7 +175,7 @@ class DataParallelEngine:
             raise RuntimeError(self.fatal_error or "no replica can serve")
         tried: list[int] = []
         full = None
-        while len(tried) + len(self._dead) < len(self.replicas):
+        while len(set(tried) | self._dead) < len(self.replicas):
             loads = self.loads()
             for i in tried:  # a replica found full looks infinitely loaded to the next choice
                 loads[i] = ReplicaLoad(loads[i].num_running, 1 << 30)
@@ -181,30 +192,38 @@ class DataParallelEngine:
                 tried.append(i)
                 full = e
                 continue
-            except RuntimeError:  # it died just now: the next replica takes the request
-                self._forget(i, self.replicas[i].failure() or "its engine stopped")
+            except RuntimeError:
+                why = self.replicas[i].failure()
+                if why is None:  # this request's own failure: no other replica would do better
+                    raise
+                self._forget(i, why)  # it died just now: the next replica takes the request
                 continue
             finally:
                 self._pending[i] -= len(prompts)
+            if tried and hasattr(self.router, "remember"):  # not where the router thought
+                self.router.remember(i, prompts[0])
             self.routed.labels(self.replicas[i].metrics.model_name, str(i)).inc()
             return stream
         if full is not None:
+            self.rejected.labels(self.replicas[0].metrics.model_name).inc()
             raise QueueFullError(f"every replica is full; {full}")
         raise RuntimeError(self.fatal_error or "no replica can serve")
 
     # ------------------------------------------------------------------ a replica's death
     def _forget(self, i: int, message: str) -> None:
+        """On the event loop only (submit and the router run there): replica i serves no more."""
         if i in self._dead:
             return
         self._dead.add(i)
         self.router.forget(i)
         log.error("replica %d can serve no more (%s); the others go on", i, message)
-
-    def _replica_died(self, i: int, message: str) -> None:
-        """Called on replica i's loop thread, once: its streams were failed by its own loop."""
-        self._forget(i, message)
         if len(self._dead) == len(self.replicas) and self._on_fatal is not None:
             self._on_fatal(self.fatal_error or message)
+
+    def _replica_died(self, i: int, message: str) -> None:
+        """Called on replica i's loop thread, once, after its loop failed its streams: the
+        bookkeeping moves to the event loop, which routes, so no request sees it half done."""
+        self._loop.call_soon_threadsafe(self._forget, i, message)
 
     def __repr__(self):
         parts = ", ".join(f"{i}: {r!r}" for i, r in enumerate(self.replicas))
