@@ -35,6 +35,15 @@ def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent_hash, tokens))
 
 
+def hash_chain(hashes: list[int], token_ids, block_size: int, num_full_blocks: int) -> list[int]:
+    """Extend `hashes`, the chain of `token_ids`' full blocks, in place to `num_full_blocks`."""
+    while len(hashes) < num_full_blocks:
+        i = len(hashes)
+        block = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(hash_block(hashes[-1] if hashes else None, block))
+    return hashes
+
+
 class BlockManager:
     def __init__(
         self,
@@ -89,15 +98,7 @@ class BlockManager:
     # ------------------------------------------------------------------ prefix cache
     def _hashes(self, req: Request, num_full_blocks: int) -> list[int]:
         """Extend the request's hash chain to cover its first `num_full_blocks` blocks."""
-        hashes, bs = req.block_hashes, self.block_size
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            hashes.append(
-                hash_block(
-                    hashes[-1] if hashes else None, tuple(req.token_ids[i * bs : (i + 1) * bs])
-                )
-            )
-        return hashes
+        return hash_chain(req.block_hashes, req.token_ids, self.block_size, num_full_blocks)
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Blocks already holding this request's leading tokens. At least one token is always left

@@ -52,7 +52,7 @@ learn each replica's cached blocks from the engines' KV events instead of guessi
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..core.block_manager import hash_block
+from ..core.block_manager import hash_chain
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware")
 # vLLM V1's DP load balancer: a waiting request weighs four running ones
@@ -176,11 +176,8 @@ class CacheAwareRouter(Router):
 
     def block_hashes(self, prompt_token_ids: list[int]) -> list[int]:
         """The hash chain of the prompt's full blocks, as the prefix cache computes it."""
-        hashes, bs = [], self.block_size
-        for i in range(len(prompt_token_ids) // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(prompt_token_ids[i * bs : (i + 1) * bs])))
-        return hashes
+        num_full = len(prompt_token_ids) // self.block_size
+        return hash_chain([], prompt_token_ids, self.block_size, num_full)
 
     def expected_hits(self, prompt_token_ids: list[int]) -> list[int]:
         """Per replica, the prompt's leading blocks the router believes are cached there."""
