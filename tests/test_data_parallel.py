@@ -62,6 +62,26 @@ def wait_until(condition, timeout_s=30.0):
         time.sleep(0.05)
 
 
+def run_started(dp: DataParallelEngine, body):
+    """`await body()` with the replicas' engine loops started on a fresh event loop, stopped
+    after."""
+
+    async def main():
+        dp.start(asyncio.get_running_loop())
+        try:
+            return await body()
+        finally:
+            await asyncio.to_thread(dp.stop)
+
+    return asyncio.run(main())
+
+
+def abort_everywhere(dp: DataParallelEngine, streams) -> None:
+    for stream in streams:
+        for replica in dp.replicas:
+            replica.abort(stream.request_ids)
+
+
 def by_replica(metrics: dict, name: str) -> dict[str, float]:
     """{"0": value, "1": value} of one series of a data-parallel /metrics, summed over its other
     labels."""
@@ -203,23 +223,17 @@ def test_a_full_replica_passes_the_request_on_and_503_means_the_fleet_is_full(mo
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 
     async def fill():
-        dp.start(asyncio.get_running_loop())
-        try:
-            streams = [await dp.submit([[5, 6, 7]], params) for _ in range(4)]  # 2 seats each
-            with pytest.raises(Exception, match="every replica is full"):
-                await dp.submit([[5, 6, 7]], params)
-            held = [len(r.engine.output_processor.samples) for r in dp.replicas]
-            name = dp.replicas[0].metrics.model_name
-            fleet_503 = "minicb:fleet_admission_rejections_total"
-            assert dp.registry.get_sample_value(fleet_503, {"model_name": name}) == 1
-            for s in streams:
-                dp.replicas[0].abort(s.request_ids)
-                dp.replicas[1].abort(s.request_ids)
-            return held
-        finally:
-            await asyncio.to_thread(dp.stop)
+        streams = [await dp.submit([[5, 6, 7]], params) for _ in range(4)]  # 2 seats each
+        with pytest.raises(Exception, match="every replica is full"):
+            await dp.submit([[5, 6, 7]], params)
+        held = [len(r.engine.output_processor.samples) for r in dp.replicas]
+        name = dp.replicas[0].metrics.model_name
+        fleet_503 = "minicb:fleet_admission_rejections_total"
+        assert dp.registry.get_sample_value(fleet_503, {"model_name": name}) == 1
+        abort_everywhere(dp, streams)
+        return held
 
-    assert asyncio.run(fill()) == [2, 2]
+    assert run_started(dp, fill) == [2, 2]
 
 
 def test_replicas_must_share_a_block_size(model_dir):
@@ -261,18 +275,12 @@ def test_requests_sent_between_two_core_steps_count_in_the_load(model_dir):
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
 
     async def send():
-        dp.start(asyncio.get_running_loop())
-        try:
-            streams = [await dp.submit([[5, 6, 7 + i]], params) for i in range(6)]
-            held = [r.engine.num_unfinished_requests for r in dp.replicas]
-            for s in streams:
-                for r in dp.replicas:
-                    r.abort(s.request_ids)
-            return held
-        finally:
-            await asyncio.to_thread(dp.stop)
+        streams = [await dp.submit([[5, 6, 7 + i]], params) for i in range(6)]
+        held = [r.engine.num_unfinished_requests for r in dp.replicas]
+        abort_everywhere(dp, streams)
+        return held
 
-    assert asyncio.run(send()) == [3, 3]
+    assert run_started(dp, send) == [3, 3]
 
 
 def parse_serve(*argv):
@@ -359,20 +367,16 @@ def test_a_request_that_fails_alone_is_refused_alone_and_every_replica_stays(mod
     params = SamplingParams(max_tokens=2, temperature=0)
 
     async def send():
-        dp.start(asyncio.get_running_loop())
-        try:
-            with pytest.raises(RuntimeError, match="a bug this prompt finds"):
-                await dp.submit([[5, 99]], params)
-            last = []
-            for _ in range(2):
-                batches = [outputs async for outputs in await dp.submit([[5, 6]], params)]
-                last.append(batches[-1][0])  # each batch: the stream's newest outputs
-            assert not dp._dead and dp.fatal_error is None  # both replicas still serve
-            return last
-        finally:
-            await asyncio.to_thread(dp.stop)
+        with pytest.raises(RuntimeError, match="a bug this prompt finds"):
+            await dp.submit([[5, 99]], params)
+        last = []
+        for _ in range(2):
+            batches = [outputs async for outputs in await dp.submit([[5, 6]], params)]
+            last.append(batches[-1][0])  # each batch: the stream's newest outputs
+        assert not dp._dead and dp.fatal_error is None  # both replicas still serve
+        return last
 
-    outs = asyncio.run(send())
+    outs = run_started(dp, send)
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
 
 
@@ -385,17 +389,11 @@ def test_cache_aware_remembers_where_a_passed_on_request_went(model_dir):
     prompt = list(range(3, 19))  # four full blocks of 4
 
     async def send():
-        dp.start(asyncio.get_running_loop())
-        try:
-            first = [await dp.submit([prompt], params) for _ in range(2)]  # replica 0 is full now
-            passed_on = await dp.submit([prompt], params)  # cache-aware picks 0; 1 takes it
-            held = [len(r.engine.output_processor.samples) for r in dp.replicas]
-            for s in [*first, passed_on]:
-                for r in dp.replicas:
-                    r.abort(s.request_ids)
-            return held
-        finally:
-            await asyncio.to_thread(dp.stop)
+        first = [await dp.submit([prompt], params) for _ in range(2)]  # replica 0 is full now
+        passed_on = await dp.submit([prompt], params)  # cache-aware picks 0; 1 takes it
+        held = [len(r.engine.output_processor.samples) for r in dp.replicas]
+        abort_everywhere(dp, [*first, passed_on])
+        return held
 
-    assert asyncio.run(send()) == [2, 1]
+    assert run_started(dp, send) == [2, 1]
     assert dp.router.expected_hits(prompt) == [4, 4]
