@@ -206,3 +206,32 @@ def test_real_graphs_with_verify_rows_and_async_scheduling_match_transformers(ti
     tokens, engine = generate(loaded, async_scheduling=True, **config)
     assert tokens == refs and engine.batch_queue.executor.num_placeholders > 0
     engine.shutdown()
+
+
+def test_async_decode_steps_never_wait_for_the_device(tiny):
+    """Issue 32: with async scheduling, step N+1's inputs are built, copied and launched while step
+    N runs. torch's sync debug mode raises on anything on that path that makes the host wait for
+    the device (a copy from pageable memory, .item(), .tolist() of a device tensor), which would
+    fail the step; every request must still match transformers."""
+    _, loaded, refs = tiny
+    llm = LLM.from_loaded(
+        loaded, device="cuda", max_num_seqs=16, block_size=16, num_blocks=64, async_scheduling=True
+    )
+    eng, finished = llm.engine, {}
+    for p, n in zip(PROMPTS, MAX_TOKENS):
+        eng.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+
+    def step():
+        finished.update((o.request_id, o.outputs[0].token_ids) for o in eng.step() if o.finished)
+
+    while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
+        step()  # the prefills (eager), until every request decodes
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while eng.has_unfinished_requests():
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    eng.shutdown()
+    assert [finished[str(i)] for i in range(len(PROMPTS))] == refs
+    assert eng.runner.graph_runner.num_replays > 0

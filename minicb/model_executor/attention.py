@@ -28,6 +28,18 @@ from .cpu_attention import masked_chunk_attention
 from .paged_flash import flash_pages_attention
 from .ragged_attention import grouped_decode_attention
 
+
+def to_device(values, device, dtype=torch.long) -> torch.Tensor:
+    """A host list as a tensor on `device`, without making the host wait (vLLM's async_tensor_h2d).
+    torch.tensor(values, device="cuda") copies from pageable memory and then synchronizes the
+    stream: the host waits for every kernel queued before, so with async scheduling the inputs of
+    step N+1 could not be built while step N runs. A copy from pinned memory joins the stream's
+    queue instead, and torch's pinned-memory cache keeps that buffer until the copy has run."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 # where prefill_attention passes is_causal rather than a mask (tests add "cpu")
 CAUSAL_FLASH_DEVICES = ("cuda",)
 
@@ -132,7 +144,7 @@ class AttentionMetadata:
         )
 
         def as_tensor(x):
-            return torch.tensor(x, dtype=torch.long, device=device)
+            return to_device(x, device)
 
         is_uniform = all(q == decode_query_len for q in decode_lens)
         slots = None if is_uniform else as_tensor(decode_slots(decode_lens, decode_query_len))

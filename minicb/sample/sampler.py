@@ -39,6 +39,8 @@ sampler's generator and draw their noise in one batched call.
 import torch
 from torch import Tensor
 
+from ..model_executor.attention import to_device
+
 
 class Sampler:
     def __init__(self, seed: int = 0):
@@ -72,7 +74,7 @@ class Sampler:
         if not rows:  # the common all-greedy batch: one argmax, done
             return greedy
 
-        row_index = torch.tensor(rows, device=logits.device)
+        row_index = to_device(rows, logits.device)
         probs = self.probabilities(logits[row_index], [params[i] for i in rows])  # (m, vocab)
         noise = self.exponential_noise(probs, [generators[i] for i in rows])
         tokens = greedy.clone()
@@ -85,9 +87,7 @@ class Sampler:
         probability 0."""
         # Scale in float32 at least (bf16/fp16 lose too much), float64 stays float64.
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        temperature = torch.tensor(
-            [p.temperature for p in params], dtype=dtype, device=logits.device
-        )
+        temperature = to_device([p.temperature for p in params], logits.device, dtype)
         # Subtract each row's max first: the top token sits at exactly 0 and a tiny temperature
         # sends the others to -inf, never to inf - inf = NaN (the clamp: 1e-50 is 0 in float32).
         logits = logits.to(dtype)
@@ -103,7 +103,7 @@ class Sampler:
         """Set to -inf the tokens whose probability is below min_p times the row's top
         probability."""
         # (m,)
-        min_p = torch.tensor([p.min_p for p in params], dtype=scaled.dtype, device=scaled.device)
+        min_p = to_device([p.min_p for p in params], scaled.device, scaled.dtype)
         probs = torch.softmax(scaled, dim=-1)  # (m, vocab)
         too_unlikely = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         return scaled.masked_fill(too_unlikely, float("-inf"))  # the top token always survives
@@ -112,8 +112,8 @@ class Sampler:
         """Set the logits of tokens outside each row's top-k / top-p set to -inf (one sort)."""
         m, vocab = scaled.shape
         device = scaled.device
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=scaled.dtype, device=device)
+        top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], device)
+        top_p = to_device([p.top_p for p in params], device, scaled.dtype)
 
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # (m, vocab)
         rank = torch.arange(vocab, device=device)
@@ -138,7 +138,7 @@ class Sampler:
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
             shared = self.shared_generator(probs.device)
-            index = torch.tensor(unseeded, device=probs.device)
+            index = to_device(unseeded, probs.device)
             uniform[index] = torch.rand(
                 len(unseeded),
                 probs.shape[1],

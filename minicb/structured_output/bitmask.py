@@ -7,6 +7,8 @@ xgrammar both write. Applying it is one masked fill per step over the constraine
 import numpy as np
 import torch
 
+from ..model_executor.attention import to_device
+
 
 def bitmask_words(vocab_size: int) -> int:
     """int32 words per row: one bit per token, rounded up to whole words."""
@@ -29,7 +31,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     exactly as they were (the tensor itself when `rows` is empty)."""
     if not rows:
         return logits
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(rows, logits.device)
     allowed = allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
     masked = logits.clone()
     masked[index] = logits[index].masked_fill(~allowed, float("-inf"))

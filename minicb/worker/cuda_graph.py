@@ -288,18 +288,19 @@ class DecodeGraphRunner:
         q = self.uniform_query_len(out)
         locs = cache_locations(h.block_tables, h.context_lens, h.query_lens, bs)
 
-        def host(x):
-            # built on the CPU; copy_ moves it to the device
-            return torch.tensor(x, dtype=torch.long)
+        def copy(buffer, x):  # into a static buffer, queued behind the steps before (to_device)
+            host = torch.tensor(x, dtype=torch.long, pin_memory=not self.emulated)
+            buffer.copy_(host, non_blocking=True)
 
-        self.input_ids[:num_tokens].copy_(host(h.input_ids))
+        copy(self.input_ids[:num_tokens], h.input_ids)
         if fill is not None:  # async scheduling: tokens the step before sampled, on the device
             self.input_ids[fill[0]] = fill[1]
-        self.positions[:num_tokens].copy_(host(h.positions))
-        self.cache_locs[:num_tokens].copy_(host(locs))
-        self.context_lens[:num_rows].copy_(host(h.context_lens))
-        self.block_tables[:num_rows, :width].copy_(
-            host(pad_tables(h.block_tables, width, self.sink_block_id))
+        copy(self.positions[:num_tokens], h.positions)
+        copy(self.cache_locs[:num_tokens], locs)
+        copy(self.context_lens[:num_rows], h.context_lens)
+        copy(
+            self.block_tables[:num_rows, :width],
+            pad_tables(h.block_tables, width, self.sink_block_id),
         )
         self.block_tables[:num_rows, width:] = self.sink_block_id  # masked (or empty pages) anyway
         self._pad(num_rows, key[0], q)

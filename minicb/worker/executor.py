@@ -29,6 +29,7 @@ from threading import Event
 import torch
 
 from ..core.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from ..model_executor.attention import to_device
 from ..trace import StepTimes
 from .model_runner import HostInputs, ModelRunner, ModelRunnerOutput
 
@@ -51,8 +52,7 @@ def fill_placeholders(out: SchedulerOutput, h: HostInputs, prev, device):
                     sources.append(i)
     if not positions:
         return None
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-    return as_tensor(positions), prev[0].index_select(0, as_tensor(sources))
+    return to_device(positions, device), prev[0].index_select(0, to_device(sources, device))
 
 
 class AsyncModelRunnerOutput:

@@ -22,7 +22,7 @@ import torch
 from ..config import cdiv
 from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
-from ..model_executor.attention import AttentionMetadata
+from ..model_executor.attention import AttentionMetadata, to_device
 from ..model_executor.paged_flash import page_pairs
 from ..model_executor.ragged_attention import decode_groups
 from ..outputs import Logprob
@@ -152,7 +152,7 @@ class ModelRunner:
                 self.device,
                 h.query_lens[:nd],
             )
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
+        as_tensor = lambda x: to_device(x, self.device)
         return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.logits_indices
 
     @torch.inference_mode()
@@ -203,9 +203,7 @@ class ModelRunner:
             )
             if not h.sample_rows:
                 return result
-            logits = self.model.compute_logits(
-                hidden[torch.tensor(logits_indices, device=self.device)]
-            )
+            logits = self.model.compute_logits(hidden[to_device(logits_indices, self.device)])
         if before_sampling is not None:
             before_sampling()
         # (num_logits, vocab): one row per sampling row, k + 1 for a row verifying k drafts. Its
@@ -214,9 +212,7 @@ class ModelRunner:
             end - 1 for end in accumulate(1 + len(rows[i].spec_token_ids) for i in h.sample_rows)
         ]
         last_logits = (
-            logits
-            if len(last) == logits.shape[0]
-            else logits[torch.tensor(last, device=self.device)]
+            logits if len(last) == logits.shape[0] else logits[to_device(last, self.device)]
         )
         # A request about to fork samples its n first tokens from its one row of logits.
         seqs = [seq for i in h.sample_rows for seq in [rows[i].request, *rows[i].request.forks]]
@@ -224,7 +220,7 @@ class ModelRunner:
             repeat = [
                 j for j, i in enumerate(h.sample_rows) for _ in range(rows[i].request.num_seqs)
             ]
-            last_logits = last_logits[torch.tensor(repeat, device=self.device)]  # (num_seqs, vocab)
+            last_logits = last_logits[to_device(repeat, self.device)]  # (num_seqs, vocab)
         self.sample(last_logits, seqs, result, defer)
         has_drafts = len(last) < logits.shape[0]
         if has_drafts:  # drafts to verify: which are kept, and the token after them
