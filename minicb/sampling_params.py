@@ -6,6 +6,7 @@ never reaches the model. The torch code that applies these parameters is `minicb
 """
 
 import copy
+import enum
 import math
 from dataclasses import dataclass
 
@@ -21,6 +22,16 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one logit_bias value: [-100, 100]
 # [1/100, 100]: vLLM takes any r > 0, but logit / 1e-40 overflows to NaN
 MAX_REPETITION_PENALTY = 100.0
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which steps hand out a RequestOutput for a request (vLLM's enum; its DELTA, outputs holding
+    only what is new, is CUMULATIVE's CompletionOutput.new_token_ids here)."""
+
+    CUMULATIVE = 0  # every step in which it got a token, holding everything so far (streaming)
+    # its last only: LLM.generate's, which then builds no snapshot of a running request, a copy
+    # of its prompt and of its tokens per step that the host pays for between two device steps
+    FINAL_ONLY = 2
 
 
 def _is_int(v) -> bool:
@@ -68,6 +79,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # a JSON schema, regex, choice or grammar the output must follow (vLLM's structured outputs)
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         check, integer, number = self._require, _is_int, _is_number
@@ -115,6 +127,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value, expected = getattr(self, name), f"an integer in [0, {MAX_LOGPROBS}] or None"
             check(name, value is None or integer(value) and 0 <= value <= MAX_LOGPROBS, expected)
+        kinds = "RequestOutputKind.CUMULATIVE or RequestOutputKind.FINAL_ONLY"
+        check("output_kind", self.output_kind in set(RequestOutputKind), kinds)
         ids = self.stop_token_ids
         check(
             "stop_token_ids",

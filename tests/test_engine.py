@@ -1,12 +1,15 @@
 """The Engine / LLM surface: streaming, abort, metrics, seeds, memory budget, and bad input
 that must be refused clearly while everything already queued keeps running."""
 
+import gc
+
 import pytest
 import torch
 
 from minicb import LLM, Engine, EngineConfig, SamplingParams
 from minicb.model_executor.hf_config import kv_bytes_per_token
 from minicb.model_executor.loader import load_model, save_tiny_model
+from minicb.sampling_params import RequestOutputKind
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -136,6 +139,7 @@ def test_bad_requests_are_refused_and_the_rest_keeps_running(llm, prompt, params
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),
         (dict(max_tokens=0), "max_tokens"),
+        (dict(output_kind=1), "output_kind"),  # vLLM's DELTA: new_token_ids holds the delta
     ],
 )
 def test_invalid_sampling_values(kwargs, match):
@@ -226,3 +230,36 @@ def test_generate_waits_for_its_own_requests_only(llm):
         llm.engine.abort_request(llm.engine.add_request(prompt, params))
     (out,) = llm.generate([[9, 10, 11]], params, use_tqdm=False)
     assert out.finished and len(out.outputs[0].token_ids) == 3
+
+
+def test_final_only_outputs_come_once_and_equal_the_cumulative_last(llm):
+    """vLLM's output_kind: a FINAL_ONLY request (what LLM.generate asks for) gets no output while
+    it runs, and its one output is the CUMULATIVE request's last, text and metrics included."""
+    engine, by_kind = llm.engine, {}
+    for kind in RequestOutputKind:
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, output_kind=kind)
+        rid = engine.add_request([3, 4, 5], params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.request_id == rid]
+        by_kind[kind] = outs
+    final_only, cumulative = (
+        by_kind[RequestOutputKind.FINAL_ONLY],
+        by_kind[RequestOutputKind.CUMULATIVE],
+    )
+    assert len(cumulative) == 5 and len(final_only) == 1 and final_only[0].finished
+    last, one = cumulative[-1], final_only[0]
+    assert one.outputs[0].token_ids == last.outputs[0].token_ids
+    assert one.outputs[0].text == last.outputs[0].text
+    assert len(one.metrics.token_times) == len(last.metrics.token_times) == 5
+
+
+def test_an_engine_freezes_the_heap_until_it_shuts_down(loaded):
+    """vLLM V1's freeze_gc_heap: what is alive once the engine is built is left out of the garbage
+    collector's passes between steps; shutdown() thaws it, so engines made one after another (tests,
+    benchmarks) are collected."""
+    gc.unfreeze()
+    engine = LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=64).engine
+    assert gc.get_freeze_count() > 0
+    engine.shutdown()
+    assert gc.get_freeze_count() == 0

@@ -13,8 +13,10 @@ import time
 import torch
 
 from ..engine.llm import LLM
-from ..sampling_params import SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams
 from .gpu import _decode_batch, _load, free_gpu, require_cuda
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 def _time_gpu_ms(fn, iters: int = 20) -> float:
@@ -213,7 +215,10 @@ def device_idle(
     )
     eng = llm.engine
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    # outputs as LLM.generate asks for them (vLLM's FINAL_ONLY): none while a request runs
+    params = SamplingParams(
+        max_tokens=steps + 64, temperature=0.0, ignore_eos=True, output_kind=FINAL_ONLY
+    )
     for _ in range(batch):
         eng.add_request([rng.randrange(loaded.vocab_size) for _ in range(prompt_len)], params)
     while eng.scheduler.waiting or any(

@@ -8,11 +8,12 @@ loop of engine.py called again and again.
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 from ..config import EngineConfig
 from ..model_executor.loader import LoadedModel
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams
 from .beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .llm_engine import Engine
 
@@ -55,7 +56,7 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def _add_all(self, prompts, sampling_params, priority, user=None) -> list[str]:
+    def _add_all(self, prompts, sampling_params, priority, user=None, kind=None) -> list[str]:
         prompts = _prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
@@ -64,6 +65,8 @@ class LLM:
                 )
         else:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if kind is not None:
+            sampling_params = [replace(p, output_kind=kind) for p in sampling_params]
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
@@ -94,7 +97,9 @@ class LLM:
         scheduling_policy="priority"). user: the tenant (OpenAI's field), one for all prompts or a
         list with one per prompt; scheduling_policy="vtc" serves tenants fairly, the other policies
         ignore it."""
-        ids = self._add_all(prompts, sampling_params, priority, user)
+        # vLLM's LLM.generate: each request's last output only, no snapshot of it while it runs
+        final = RequestOutputKind.FINAL_ONLY
+        ids = self._add_all(prompts, sampling_params, priority, user, final)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -106,9 +111,9 @@ class LLM:
             wanted = set(ids)  # an output of a request added elsewhere (or aborted) is not ours
             while len(results) < len(ids):
                 for out in self.engine.step():
-                    num_tokens += 1
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
+                        num_tokens += sum(len(c.token_ids) for c in out.outputs)
                         if bar is not None:
                             bar.update(1)
                 if bar is not None:

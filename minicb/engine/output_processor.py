@@ -13,6 +13,7 @@ close with the request's last output.
 
 from ..core.request import Request
 from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..sampling_params import RequestOutputKind
 from .detokenizer import IncrementalDetokenizer, StopStrings
 
 
@@ -75,18 +76,27 @@ class OutputProcessor:
         return entry
 
     def make_outputs(self, touched: list[Request], finished: list[Request]) -> list[RequestOutput]:
-        """One output per request that got a token or finished this step; the books close on the
-        requests whose every sample has finished."""
+        """One output per request that got a token or finished this step (its last only, for
+        output_kind FINAL_ONLY); the books close on the requests whose every sample has finished."""
         got_token = {req.request_id for req in touched}
         # in order, each once
         ids = dict.fromkeys(self.owner[r.request_id] for r in touched + finished)
-        outputs = [self.output(request_id, got_token) for request_id in ids]
+        outputs = [
+            self.output(request_id, got_token)
+            for request_id in ids
+            if self.wants_output(self.samples[request_id])
+        ]
         for out in outputs:
             if out.finished:
                 for sample in self.samples.pop(out.request_id):
                     del self.owner[sample.request_id]
                     self.detokenizers.pop(sample.request_id, None)
         return outputs
+
+    @staticmethod
+    def wants_output(samples: list[Request]) -> bool:
+        final_only = samples[0].params.output_kind == RequestOutputKind.FINAL_ONLY
+        return not final_only or all(s.is_finished for s in samples)
 
     def output(self, request_id: str, got_token: set[str] = frozenset()) -> RequestOutput:
         """A snapshot of a request and all its samples (copies: later steps never change it).
