@@ -9,6 +9,11 @@ idles during the first two and the last two. Here one call of Engine.step() does
     collect step N         wait for its sampled tokens, update(), detokenize, stop strings
     (mark N processed)     step N+1 may sample now: its grammar and penalties see N's tokens
 
+A step whose sampling reads nothing that processing writes (no grammar, no logits processor, no
+samples to fork) samples right after its forward pass instead: waiting for step N's processing
+would hand the device thread back to the engine's thread through the GIL, and on an H100 the
+device idled meanwhile.
+
 so that the host's work for N+1 and for N's outputs runs while the device computes. The price is
 what vLLM pays too: outputs come one call later, and a request that finishes in step N has a row in
 step N+1 whose token is thrown away.
@@ -36,6 +41,14 @@ class InFlightStep:
     row_tables: dict  # its rows' block tables as scheduled (the trace draws them)
 
 
+def reads_processing(out) -> bool:
+    """Does the step's sampling read what processing the step before writes: a grammar advanced
+    by its token, the output tokens that min_tokens and the penalties count, the samples a request
+    forks into?"""
+    params = [row.request.params for row in out.scheduled if row.do_sample]
+    return any(p.structured_outputs or p.processes_logits or p.n > 1 for p in params)
+
+
 class BatchQueue:
     def __init__(self, engine):
         self.engine = engine
@@ -55,8 +68,9 @@ class BatchQueue:
             h = host_inputs(out, eng.config.block_size) if out.scheduled else None
             tables = {r.request.request_id: tuple(r.block_table) for r in out.scheduled}
             before = self.in_flight
+            wait = before.processed if before is not None and reads_processing(out) else None
             times.launch = time.perf_counter()
-            future = self.executor.execute_model(out, h, times, before and before.processed)
+            future = self.executor.execute_model(out, h, times, wait)
             launched = InFlightStep(out, future, Event(), times, tables)
         before, self.in_flight = self.in_flight, launched
         return self._collect(before) if before is not None else []
