@@ -128,7 +128,7 @@ class SamplingParams:
             value, expected = getattr(self, name), f"an integer in [0, {MAX_LOGPROBS}] or None"
             check(name, value is None or integer(value) and 0 <= value <= MAX_LOGPROBS, expected)
         kinds = "RequestOutputKind.CUMULATIVE or RequestOutputKind.FINAL_ONLY"
-        check("output_kind", self.output_kind in set(RequestOutputKind), kinds)
+        check("output_kind", isinstance(self.output_kind, RequestOutputKind), kinds)
         ids = self.stop_token_ids
         check(
             "stop_token_ids",

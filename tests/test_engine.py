@@ -2,6 +2,7 @@
 that must be refused clearly while everything already queued keeps running."""
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -263,3 +264,18 @@ def test_an_engine_freezes_the_heap_until_it_shuts_down(loaded):
     assert gc.get_freeze_count() > 0
     engine.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+def test_an_async_engine_dropped_without_shutdown_is_freed(loaded):
+    """The heap an engine froze is out of the collector's reach, so an engine must not be a
+    reference cycle: an async one (its batch queue points back at it) is freed by reference
+    counting."""
+    llm = LLM.from_loaded(
+        loaded, dtype="float64", block_size=4, num_blocks=64, async_scheduling=True
+    )
+    llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)
+    engine, kv_cache = weakref.ref(llm.engine), weakref.ref(llm.engine.kv_cache)
+    del llm
+    gc.collect()
+    assert gc.get_freeze_count() > 0  # still frozen: only reference counting could free it
+    assert engine() is None and kv_cache() is None

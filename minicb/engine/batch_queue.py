@@ -9,8 +9,9 @@ idles during the first two and the last two. Here one call of Engine.step() does
     collect step N         wait for its sampled tokens, update(), detokenize, stop strings
     (mark N processed)     step N+1 may sample now: its grammar and penalties see N's tokens
 
-A step whose sampling reads nothing that processing writes (no grammar, no logits processor, no
-samples to fork) samples right after its forward pass instead: waiting for step N's processing
+A step whose sampling reads nothing that processing writes (no grammar, no logits processor) samples
+right after its forward pass instead (a request forking its n samples needs no wait: AsyncScheduler
+keeps it out of the next step): waiting for step N's processing
 would hand the device thread back to the engine's thread through the GIL, and on an H100 the
 device idled meanwhile.
 
@@ -20,6 +21,7 @@ step N+1 whose token is thrown away.
 """
 
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from threading import Event
@@ -43,15 +45,16 @@ class InFlightStep:
 
 def reads_processing(out) -> bool:
     """Does the step's sampling read what processing the step before writes: a grammar advanced
-    by its token, the output tokens that min_tokens and the penalties count, the samples a request
-    forks into?"""
+    by its token, or the output tokens that min_tokens and the penalties count?"""
     params = [row.request.params for row in out.scheduled if row.do_sample]
-    return any(p.structured_outputs or p.processes_logits or p.n > 1 for p in params)
+    return any(p.structured_outputs or p.processes_logits for p in params)
 
 
 class BatchQueue:
     def __init__(self, engine):
-        self.engine = engine
+        # a proxy: an engine dropped without shutdown() is freed by reference counting, not left to
+        # the garbage collector, which cannot reach the heap the engine froze when it was built
+        self.engine = weakref.proxy(engine)
         self.executor = StepExecutor(engine.runner)
         self.in_flight: InFlightStep | None = None
 
