@@ -9,15 +9,14 @@ idles during the first two and the last two. Here one call of Engine.step() does
     collect step N         wait for its sampled tokens, update(), detokenize, stop strings
     (mark N processed)     step N+1 may sample now: its grammar and penalties see N's tokens
 
-A step whose sampling reads nothing that processing writes (no grammar, no logits processor) samples
-right after its forward pass instead (a request forking its n samples needs no wait: AsyncScheduler
-keeps it out of the next step): waiting for step N's processing
-would hand the device thread back to the engine's thread through the GIL, and on an H100 the
-device idled meanwhile.
-
 so that the host's work for N+1 and for N's outputs runs while the device computes. The price is
 what vLLM pays too: outputs come one call later, and a request that finishes in step N has a row in
 step N+1 whose token is thrown away.
+
+A step whose sampling reads nothing that processing writes (no grammar, no logits processor) samples
+right after its forward pass instead: waiting for step N's processing would hand the device thread
+back to the engine's thread through the GIL, and on an H100 the device idled meanwhile. (A request
+forking its n samples needs no wait either: AsyncScheduler keeps it out of the next step.)
 """
 
 import time

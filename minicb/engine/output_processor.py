@@ -95,6 +95,7 @@ class OutputProcessor:
 
     @staticmethod
     def wants_output(samples: list[Request]) -> bool:
+        """Is an output handed out for this request now (every step, or its last for FINAL_ONLY)?"""
         final_only = samples[0].params.output_kind == RequestOutputKind.FINAL_ONLY
         return not final_only or all(s.is_finished for s in samples)
 
