@@ -9,7 +9,21 @@ capture would.
 """
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class NoToList(TorchFunctionMode):
+    """Tensor.tolist() reads every value on the host without passing through the dispatcher, so
+    NoHostReads sees it one level up, as a torch function."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.tolist:
+            raise RuntimeError(
+                f"the captured decode step {NoHostReads.HOST_READ}: Tensor.tolist(). A CUDA "
+                "graph can hold only device work with shapes fixed at capture."
+            )
+        return func(*args, **(kwargs or {}))
 
 
 class NoHostReads(TorchDispatchMode):
@@ -19,7 +33,8 @@ class NoHostReads(TorchDispatchMode):
     values: a capture fails on it, or freezes the value it saw. Used by the CPU emulation.
     """
 
-    HOST_READ = "reads a tensor value on the host (.item(), int(), bool(), Python max())"
+    refuses_host_reads = True  # what model code asks (fused_moe.capturing) to pick a static path
+    HOST_READ = "reads a tensor value on the host (.item(), .tolist(), int(), bool(), max())"
     # by op name; inference mode shows `item`/`is_nonzero`, autograd mode the op below them
     FORBIDDEN = {
         "item": HOST_READ,
@@ -33,6 +48,16 @@ class NoHostReads(TorchDispatchMode):
         "repeat_interleave": "has a data-dependent shape (repeat_interleave)",
         "lift_fresh": "builds a tensor from Python data (torch.tensor), frozen at capture",
     }
+
+    def __enter__(self):
+        self.no_tolist = NoToList().__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.no_tolist.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
