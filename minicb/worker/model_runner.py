@@ -23,6 +23,7 @@ from ..config import cdiv
 from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
 from ..model_executor.attention import AttentionMetadata, to_device
+from ..model_executor.fused_moe import expert_load
 from ..model_executor.paged_flash import page_pairs
 from ..model_executor.ragged_attention import decode_groups
 from ..outputs import Logprob
@@ -32,6 +33,7 @@ from ..sample.rejection_sampler import verify_drafts
 from ..sample.sampler import Sampler
 from ..spec_decode.ngram_proposer import SpecDecodingStats
 from ..structured_output import apply_grammars
+from .expert_parallel import expert_traffic
 
 
 @dataclass
@@ -51,6 +53,11 @@ class ModelRunnerOutput:
     accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
     # async scheduling: the sampled tokens left on the device (executor.py brings them to the host)
     pending_tokens: object = None
+    # a mixture of experts: (moe_layers, num_experts) tokens routed to each expert, on the device
+    expert_load: object = None
+    # and with expert parallelism, per MoE layer: (ranks, ranks) pairs sent from each rank's share
+    # of the tokens to each rank's experts (expert_parallel.py)
+    expert_traffic: list | None = None
 
 
 @dataclass
@@ -191,6 +198,7 @@ class ModelRunner:
         if runs_graph:  # decode rows only, fits a graph
             # (num_tokens, vocab): every token of such a step is scored
             logits = self.graph_runner.run(out, h, fill)
+            result.expert_load = _copy(self.graph_runner.expert_load)
             self.last_graph_bucket = self.graph_runner.last_bucket
             self.last_graph_width = self.graph_runner.last_width
         else:
@@ -198,6 +206,8 @@ class ModelRunner:
             if fill is not None:
                 input_ids[fill[0]] = fill[1]
             hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (num_tokens, hidden)
+            result.expert_load = _copy(expert_load(self.model))
+            result.expert_traffic = expert_traffic(self.model)  # None unless experts are spread
             result.prompt_logprobs = prompt_logprobs(
                 rows, hidden, h.row_starts, self.model.compute_logits
             )
@@ -283,3 +293,8 @@ class ModelRunner:
             )
             result.logprobs.update((seqs[i].request_id, lp) for i, lp in zip(rows, found))
         return tokens
+
+
+def _copy(load: torch.Tensor | None) -> torch.Tensor | None:
+    """The step's tokens per expert, kept apart from the buffer the next step overwrites."""
+    return None if load is None else load.clone()

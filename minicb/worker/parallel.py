@@ -45,18 +45,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from ..model_executor.hf_config import head_dim_of, num_kv_heads_of
+from ..model_executor.fused_moe import SparseMoeBlock
+from ..model_executor.hf_config import head_dim_of, moe_spec_of, num_kv_heads_of
+from ..model_executor.weights import per_expert_names
+from .expert_parallel import ExpertParallelMoE, expert_slice
 
 TIMEOUT = datetime.timedelta(seconds=60)  # a collective that waits longer means a rank is gone
 
 
-def check_tensor_parallel(hf_config, n: int) -> None:
-    """Raise ValueError, naming the numbers, unless the model splits into n whole-head shards."""
-    heads, kv_heads, inter = (
-        hf_config.num_attention_heads,
-        num_kv_heads_of(hf_config),
-        hf_config.intermediate_size,
-    )
+def check_tensor_parallel(hf_config, n: int, expert_parallel: bool = False) -> None:
+    """Raise ValueError, naming the numbers, unless the model splits into n whole-head shards (and,
+    with expert parallelism, n shares of whole experts)."""
+    heads, kv_heads = hf_config.num_attention_heads, num_kv_heads_of(hf_config)
     if heads % n:
         raise ValueError(
             f"tensor_parallel_size={n} must divide num_attention_heads={heads} (each rank owns "
@@ -67,17 +67,43 @@ def check_tensor_parallel(hf_config, n: int) -> None:
             f"tensor_parallel_size={n} must divide num_key_value_heads={kv_heads}: minicb does not "
             f"replicate KV heads (vLLM does when tensor_parallel_size is a multiple of them)"
         )
-    if inter % n:
-        raise ValueError(f"tensor_parallel_size={n} must divide intermediate_size={inter}")
+    layers = range(hf_config.num_hidden_layers)
+    moe = next((spec for i in layers if (spec := moe_spec_of(hf_config, i))), None)
+    has_dense_mlp = any(moe_spec_of(hf_config, i) is None for i in layers)
+    if expert_parallel and moe is None:
+        raise ValueError(
+            f"enable_expert_parallel needs a mixture-of-experts model; {hf_config.model_type} has "
+            "dense MLPs only"
+        )
+    if has_dense_mlp and hf_config.intermediate_size % n:
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide intermediate_size={hf_config.intermediate_size}"
+        )
+    if moe is not None and expert_parallel and moe.num_experts % n:
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide num_experts={moe.num_experts} with "
+            "enable_expert_parallel (each rank holds whole experts)"
+        )
+    if moe is not None and not expert_parallel and moe.intermediate_size % n:
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide the experts' intermediate size "
+            f"{moe.intermediate_size} (or set enable_expert_parallel=True)"
+        )
 
 
-def shard_config(hf_config, n: int):
-    """The config of one rank's shard: its heads and MLP features (head_dim kept explicit)."""
+def shard_config(hf_config, n: int, expert_parallel: bool = False):
+    """The config of one rank's shard: its heads and MLP features (head_dim kept explicit); with
+    expert parallelism, whole experts (`ep_size`: model.moe_block holds E / ep_size of them)."""
     local = copy.deepcopy(hf_config)
     local.head_dim = head_dim_of(hf_config)
     local.num_attention_heads = hf_config.num_attention_heads // n
     local.num_key_value_heads = num_kv_heads_of(hf_config) // n
-    local.intermediate_size = hf_config.intermediate_size // n
+    if hf_config.model_type != "mixtral" or not expert_parallel:  # Mixtral's: its experts' size
+        local.intermediate_size = hf_config.intermediate_size // n
+    if hf_config.model_type == "qwen3_moe" and not expert_parallel:
+        local.moe_intermediate_size = hf_config.moe_intermediate_size // n
+    if expert_parallel:
+        local.ep_size = n
     return local
 
 
@@ -87,14 +113,25 @@ ROW_SPLIT = ("o_proj", "down_proj")  # input features (columns of the weight), t
 
 
 def shard_state_dict(
-    state_dict: dict[str, torch.Tensor], rank: int, n: int
+    state_dict: dict[str, torch.Tensor], rank: int, n: int, expert_parallel_config=None
 ) -> dict[str, torch.Tensor]:
     """Rank `rank`'s slice of every weight (Hugging Face names). Rows of q/k/v are head after head,
-    so a contiguous chunk of rows is a contiguous run of whole heads."""
+    so a contiguous chunk of rows is a contiguous run of whole heads. Experts are split like dense
+    MLPs, or, given the model's config for expert parallelism, kept whole: E / n of them."""
+    state_dict = per_expert_names(state_dict)  # every expert's gate, up and down apart
+    if expert_parallel_config is not None:
+
+        def num_experts_of(name: str) -> int:
+            layer = int(name.split("layers.")[1].split(".")[0])
+            return moe_spec_of(expert_parallel_config, layer).num_experts
+
+        state_dict = expert_slice(state_dict, rank, n, num_experts_of)
     out = {}
     for name, t in state_dict.items():
         kind = name.split(".")[-2] if name.count(".") >= 1 else ""
-        if kind in COLUMN_SPLIT:
+        if expert_parallel_config is not None and ".experts." in name:
+            out[name] = t  # a whole expert of this rank's share
+        elif kind in COLUMN_SPLIT:
             out[name] = t.chunk(n, dim=0)[rank].clone()
         elif kind in ROW_SPLIT and name.endswith("weight"):
             out[name] = t.chunk(n, dim=1)[rank].clone()
@@ -111,11 +148,29 @@ class CollectiveLog:
 
     # per step: payload bytes of each all-reduce
     steps: list[list[int]] = dataclasses.field(default_factory=list)
+    # expert parallelism, per step: bytes this rank sent to other ranks in each all-to-all
+    # (dispatch, combine, dispatch, ... layer after layer), and its share in each all-gather
+    all_to_all: list[list[int]] = dataclasses.field(default_factory=list)
+    all_gather: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def new_step(self) -> None:
+        for per_step in (self.steps, self.all_to_all, self.all_gather):
+            per_step.append([])
 
     def record(self, tensor: torch.Tensor) -> None:
         if not self.steps:
-            self.steps.append([])
+            self.new_step()
         self.steps[-1].append(tensor.numel() * tensor.element_size())
+
+    def record_all_to_all(self, num_bytes: int) -> None:
+        if not self.steps:
+            self.new_step()
+        self.all_to_all[-1].append(num_bytes)
+
+    def record_all_gather(self, num_bytes: int) -> None:
+        if not self.steps:
+            self.new_step()
+        self.all_gather[-1].append(num_bytes)
 
 
 class AllReduce(nn.Module):
@@ -138,17 +193,18 @@ def build_shard(loaded, config, rank: int, log: CollectiveLog):
     AllReduce."""
     from ..model_executor.model import CausalLM
 
-    n = config.tensor_parallel_size
-    local = shard_config(loaded.hf_config, n)
-    model = CausalLM.from_hf(
-        local,
-        shard_state_dict(loaded.state_dict, rank, n),
-        getattr(torch, config.dtype),
-        device_of(config, rank),
-    )
+    n, ep = config.tensor_parallel_size, config.enable_expert_parallel
+    local = shard_config(loaded.hf_config, n, ep)
+    weights = shard_state_dict(loaded.state_dict, rank, n, loaded.hf_config if ep else None)
+    model = CausalLM.from_hf(local, weights, getattr(torch, config.dtype), device_of(config, rank))
     for layer in model.layers:
         layer.self_attn.o_proj = AllReduce(layer.self_attn.o_proj, log)
-        layer.mlp.down_proj = AllReduce(layer.mlp.down_proj, log)
+        if isinstance(layer.mlp, SparseMoeBlock) and ep:  # experts whole, tokens travel
+            layer.mlp = ExpertParallelMoE(layer.mlp, rank, n, log)
+        elif isinstance(layer.mlp, SparseMoeBlock):  # every expert split: partial sums, all-reduced
+            layer.mlp = AllReduce(layer.mlp, log)
+        else:
+            layer.mlp.down_proj = AllReduce(layer.mlp.down_proj, log)
     return model, local
 
 
@@ -167,7 +223,9 @@ class TensorParallel:
     shard, and sends each step's inputs to every worker."""
 
     def __init__(self, loaded, config):
-        check_tensor_parallel(loaded.hf_config, config.tensor_parallel_size)
+        check_tensor_parallel(
+            loaded.hf_config, config.tensor_parallel_size, config.enable_expert_parallel
+        )
         self.n, self.log = config.tensor_parallel_size, CollectiveLog()
         self.backend = "nccl" if config.device.startswith("cuda") else "gloo"
         if dist.is_initialized():
@@ -211,7 +269,7 @@ class TensorParallel:
     def step(self, out, host) -> None:
         """Before rank 0 runs a step: the block copies, and the rows' host inputs (None: no
         forward)."""
-        self.log.steps.append([])
+        self.log.new_step()
         self.send(("step", out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in, host))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

@@ -1,0 +1,142 @@
+"""The fused mixture of experts (model_executor/fused_moe.py) against the loop over experts, the
+router against transformers', and what the engine records of each step's routing."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from minicb import LLM, SamplingParams
+from minicb.model_executor.fused_moe import (
+    fused_moe,
+    grouped_mm_supported,
+    moe_loop,
+    select_experts,
+    sort_by_expert,
+    tokens_per_expert,
+)
+from minicb.model_executor.loader import load_model, save_tiny_model
+from minicb.worker.graph_safety import NoHostReads
+
+F64_METHODS = ["segments", "padded"]  # torch._grouped_mm has no float64 kernel
+
+
+def problem(num_tokens, num_experts=6, top_k=2, hidden=16, inter=8, seed=0, only=None, dtype=None):
+    """Random tokens and experts, and a routing: top_k distinct experts per token, drawn from
+    `only` (a subset, so the others get no token) or from all of them."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = dtype or torch.float64
+    x = torch.randn(num_tokens, hidden, generator=g, dtype=torch.float64)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g, dtype=torch.float64) * 0.3
+    w2 = torch.randn(num_experts, hidden, inter, generator=g, dtype=torch.float64) * 0.3
+    pool = torch.tensor(only if only is not None else range(num_experts))
+    picks = torch.rand(num_tokens, len(pool), generator=g).argsort(dim=1)[:, :top_k]
+    ids = pool[picks]
+    weights = torch.rand(num_tokens, top_k, generator=g).float()
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids
+
+
+@pytest.mark.parametrize("method", F64_METHODS)
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 33])
+def test_fused_equals_the_loop_in_float64(method, num_tokens):
+    x, w13, w2, weights, ids = problem(num_tokens, seed=num_tokens)
+    ref = moe_loop(x, w13, w2, weights, ids)
+    out = fused_moe(x, w13, w2, weights, ids, method=method)
+    torch.testing.assert_close(out, ref, rtol=1e-13, atol=1e-13)  # float64 rounding only
+
+
+@pytest.mark.parametrize("method", F64_METHODS)
+def test_experts_without_tokens_change_nothing(method):
+    """Experts 0, 2 and 5 get no token: their runs are empty, their weights unread."""
+    x, w13, w2, weights, ids = problem(9, only=[1, 3, 4], seed=3)
+    counts = tokens_per_expert(ids, 6)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0] and counts.sum() == 9 * 2
+    ref = moe_loop(x, w13, w2, weights, ids)
+    w13_poisoned, w2_poisoned = w13.clone(), w2.clone()
+    w13_poisoned[[0, 2, 5]] = float("nan")
+    w2_poisoned[[0, 2, 5]] = float("nan")
+    # NaN weights for the empty experts: nothing they compute may reach a token's output
+    out = fused_moe(x, w13_poisoned, w2_poisoned, weights, ids, method=method)
+    torch.testing.assert_close(out, ref, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.skipif(
+    not grouped_mm_supported(torch.device("cpu"), torch.float32),
+    reason="this PyTorch has no CPU torch._grouped_mm",
+)
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_grouped_mm_equals_the_loop_in_float32(num_tokens):
+    # float32: the grouped kernel blocks its sums differently from F.linear (tolerance 1e-5)
+    x, w13, w2, weights, ids = problem(num_tokens, only=[0, 1, 4, 5], dtype=torch.float32)
+    ref = moe_loop(x, w13, w2, weights, ids)
+    out = fused_moe(x, w13, w2, weights, ids, method="grouped_mm")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sort_puts_each_experts_pairs_together_in_token_order():
+    ids = torch.tensor([[2, 0], [0, 1], [2, 1]])  # token 0 picks 2 then 0, ...
+    order, expert_of_row, counts = sort_by_expert(ids, 4)
+    assert expert_of_row.tolist() == [0, 0, 1, 1, 2, 2]
+    assert (order // 2).tolist() == [0, 1, 1, 2, 0, 2]  # tokens, in order within each expert
+    assert counts.tolist() == [2, 2, 2, 0]
+
+
+def test_the_static_path_holds_in_a_graph_and_the_eager_one_does_not():
+    """Inside a (emulated) CUDA graph nothing may read the routing on the host: the padded path
+    runs, the segment loop (one host read of the counts) is refused, and "auto" picks padded."""
+    x, w13, w2, weights, ids = problem(5)
+    ref = moe_loop(x, w13, w2, weights, ids)
+    with NoHostReads():
+        padded = fused_moe(x, w13, w2, weights, ids, method="padded")
+        auto = fused_moe(x, w13, w2, weights, ids)
+        with pytest.raises(RuntimeError, match="host"):
+            fused_moe(x, w13, w2, weights, ids, method="segments")
+    torch.testing.assert_close(padded, ref, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(auto, ref, rtol=1e-13, atol=1e-13)
+
+
+def test_unknown_method_is_named():
+    x, w13, w2, weights, ids = problem(2)
+    with pytest.raises(ValueError, match="unknown fused MoE method 'triton'"):
+        fused_moe(x, w13, w2, weights, ids, method="triton")
+
+
+@pytest.mark.parametrize(
+    "router_class,renormalize",
+    [("Qwen3MoeTopKRouter", False), ("Qwen3MoeTopKRouter", True), ("MixtralTopKRouter", True)],
+)
+def test_routing_is_transformers_routing(router_class, renormalize):
+    """Softmax in float32, top_k, renormalized where the model says: the same experts and
+    weights as transformers' routers (whose weights they cast to the model's dtype or not)."""
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=16, num_experts=8, num_experts_per_tok=3, norm_topk_prob=renormalize
+    )
+    if router_class == "MixtralTopKRouter":
+        config = transformers.MixtralConfig(
+            hidden_size=16, num_local_experts=8, num_experts_per_tok=3
+        )
+    module = getattr(transformers.models, config.model_type)
+    router = getattr(getattr(module, f"modeling_{config.model_type}"), router_class)(config)
+    torch.nn.init.normal_(router.weight, std=1.0)
+    router = router.double()
+    x = torch.randn(11, 16, dtype=torch.float64)
+    _, hf_weights, hf_ids = router(x)
+    weights, ids = select_experts(F.linear(x, router.weight), 3, renormalize)
+    assert torch.equal(ids, hf_ids)
+    assert torch.equal(weights.double(), hf_weights.double())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_the_trace_records_tokens_per_expert(tmp_path, arch):
+    """Every step's record holds, per MoE layer, the tokens routed to each expert: top_k per token
+    the step ran."""
+    loaded = load_model(save_tiny_model(tmp_path, arch=arch, seed=1), dtype=torch.float64)
+    llm = LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=64)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8, 9], [3, 4]], params, use_tqdm=False)
+    top_k, num_experts = loaded.hf_config.num_experts_per_tok, 8 if arch == "qwen3_moe" else 4
+    for s in llm.engine.trace:
+        assert len(s.expert_load) == loaded.hf_config.num_hidden_layers
+        for layer in s.expert_load:
+            assert len(layer) == num_experts
+            assert sum(layer) == top_k * s.num_batched_tokens, s
