@@ -6,6 +6,8 @@
 #   attention  one layer's decode attention against one read of the K/V (the read floor)
 #   w2         W2 with the defaults and with async scheduling, in one run (issue 32: >= 1.15x)
 #   idle       GPU idle between decode steps at batch 256, sync and async (issue 32: < 5% async)
+#   moe        opt-in (name it in STAGES): W2 on a Qwen3-30B-A3B-shaped mixture of experts with random
+#              bf16 weights (issue 36; 61 GB of weights: an 80 GB GPU, about 4 minutes)
 # One device session: tests, then benchmarks, each bounded by what is left of the call's time.
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 T0=$(date +%s); LIMIT=${LIMIT:-570}
@@ -27,6 +29,7 @@ for s in ${STAGES:-tests attention w2 idle latency profile hf}; do
     attention) stage attention 60 python3 -m minicb.bench.w2 --workload attention --json $OUT/results.jsonl ;;
     latency) stage latency 120 python3 -m minicb.bench.w2 --workload latency --json $OUT/results.jsonl ;;
     w2) stage w2 ${W2_MAX:-200} python3 -m minicb.bench.w2 --workload w2 --competitors ${W2_COMPETITORS:-defaults async eager} --json $OUT/results.jsonl ;;
+    moe) stage moe ${MOE_MAX:-300} python3 -m minicb.bench.w2 --workload w2 --model random:qwen3-30b-a3b --competitors defaults --json $OUT/results.jsonl ;;
     idle) stage idle 90 python3 -m minicb.bench.w2 --workload idle --json $OUT/results.jsonl ;;
     profile) stage profile 80 python3 -m minicb.bench.w2 --workload profile --json $OUT/results.jsonl ;;
     hf) stage hf 260 python3 -m minicb.bench.w2 --workload w2 --competitors hf --json $OUT/results.jsonl ;;

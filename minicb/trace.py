@@ -87,6 +87,17 @@ class StepRecord:
     # the step sent to rank d's experts (the all-to-all's traffic matrix); None otherwise
     expert_traffic: tuple[tuple[tuple[int, ...], ...], ...] | None = None
 
+    def tokens_per_rank(self, num_ranks: int) -> tuple[tuple[int, ...], ...] | None:
+        """Per MoE layer, the (token, expert) pairs that each rank's experts got this step, with the
+        experts placed as expert parallelism places them: E / num_ranks contiguous ones a rank."""
+        if self.expert_load is None:
+            return None
+        per_rank = len(self.expert_load[0]) // num_ranks
+        return tuple(
+            tuple(sum(layer[r * per_rank : (r + 1) * per_rank]) for r in range(num_ranks))
+            for layer in self.expert_load
+        )
+
     @property
     def num_decode_rows(self) -> int:
         return sum(1 for r in self.rows if not r.is_prefill)

@@ -140,3 +140,44 @@ def test_the_trace_records_tokens_per_expert(tmp_path, arch):
         for layer in s.expert_load:
             assert len(layer) == num_experts
             assert sum(layer) == top_k * s.num_batched_tokens, s
+
+
+def test_the_gpu_bench_moe_is_qwen3_30b_a3b():
+    """The GPU bench's random:qwen3-30b-a3b has the published model's sizes: 30.5B parameters,
+    3.3B active per token (8 of 128 experts), 29.9B without the embedding and the LM head."""
+    from minicb.bench.gpu import RANDOM_CONFIGS
+    from minicb.model_executor.model import CausalLM
+
+    class_name, fields = RANDOM_CONFIGS["qwen3-30b-a3b"]
+    config = getattr(transformers, class_name)(**fields)
+    with torch.device("meta"):  # shapes only
+        model = CausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    active = total - experts * (128 - 8) // 128
+    embeddings = 2 * config.vocab_size * config.hidden_size
+    assert round(total / 1e9, 1) == 30.5
+    assert int(active / 1e8) == 33  # 3.35B, which the model card writes as 3.3B
+    assert round((total - embeddings) / 1e9, 1) == 29.9
+
+
+def test_dense_layers_between_moe_layers_and_renormalized_qwen3_moe(tmp_path):
+    """Qwen3-MoE's config can keep some MLPs dense (mlp_only_layers, decoder_sparse_step) and
+    renormalize the top-k probabilities (norm_topk_prob, as Qwen3-30B-A3B does): transformers'
+    tokens, with only the MoE layers in the trace's routing."""
+    from reference import greedy_reference
+
+    from minicb.model_executor.loader import make_tiny_model
+
+    variant = dict(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)
+    path = save_tiny_model(tmp_path, arch="qwen3_moe", seed=3, **variant)
+    hf = make_tiny_model("qwen3_moe", seed=3, **variant)
+    prompts, max_tokens = [[5, 6, 7, 8, 9, 10], [3, 4], list(range(20, 45))], [12, 7, 9]
+    refs = greedy_reference(hf, prompts, max_tokens)
+    loaded = load_model(path, dtype=torch.float64)
+    llm = LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=64)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert type(llm.engine.runner.model.layers[1].mlp).__name__ == "MLP"
+    assert all(len(s.expert_load) == 2 for s in llm.engine.trace)  # layers 0 and 2

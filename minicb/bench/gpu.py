@@ -32,7 +32,33 @@ RANDOM_CONFIGS = {
             bos_token_id=151643,
             eos_token_id=151645,
         ),
-    )
+    ),
+    # A mixture of experts (issue 36's GPU bench): 30.5B parameters, 3.3B active per token, 61 GB in
+    # bf16, so one 80 GB GPU holds it with about 10 GB left for the KV cache
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            bos_token_id=151643,
+            eos_token_id=151645,
+        ),
+    ),
 }
 
 

@@ -112,6 +112,11 @@ def add_engine_arguments(parser, max_num_seqs: int = 32, max_decode_slowdown: fl
         "--tensor-parallel-size", type=int, default=1, help="split every layer over N processes"
     )
     parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture of experts: whole experts on each of those processes, tokens sent to them",
+    )
+    parser.add_argument(
         "--scheduling-policy",
         default="fcfs",
         choices=SCHEDULING_POLICIES,
@@ -178,6 +183,7 @@ def engine_config(args, model: str | None = None):
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy,
         batching=args.batching,

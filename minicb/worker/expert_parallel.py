@@ -24,6 +24,10 @@ DeepSeek-V3 and Qwen3-235B are served this way. Which ranks' experts are hot var
 the trace keeps each step's routing and `traffic` (pairs from each rank's share to each rank's
 experts), from which notebook 20 computes load imbalance and what EPLB's redundant experts buy.
 
+A row travels once per (token, expert) pair. DeepEP's dispatch sends a token once per rank that
+holds any of its experts and adds up that rank's experts' outputs before the combine, which saves up
+to top_k - 1 copies when experts of one token share a rank; minicb keeps the simpler count.
+
 Every rank routes the whole step here, so the split sizes of both all-to-alls are known to all
 ranks without a first exchange of counts; an engine whose ranks hold different tokens (vLLM's
 data-parallel attention) exchanges those counts first. Host reads of the routing size the
@@ -34,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model_executor.fused_moe import combine, fused_moe
+from ..model_executor.fused_moe import combine
 
 
 def token_shares(num_tokens: int, n: int) -> list[int]:
@@ -89,25 +93,9 @@ class ExpertParallelMoE(nn.Module):
         order = own_ids.flatten().argsort(stable=True)
         sent = x[lo:hi][order // own_ids.shape[1]]  # (my pairs, hidden)
         received = self.all_to_all(sent, recv_counts, send_counts)
-        # which of my experts each received row wants: every rank knows the routing
-        wanted = torch.cat(
-            [
-                topk_ids[bounds[s] : bounds[s + 1]].flatten().sort(stable=True).values
-                for s in range(self.n)
-            ]
-        )
-        local_ids = wanted[(wanted // self.num_local) == self.rank] - self.rank * self.num_local
+        local_ids = self.received_experts(topk_ids, bounds)  # (received,) my expert of each row
         ones = torch.ones(len(local_ids), 1, dtype=torch.float32, device=x.device)
-        experts = self.block.experts
-        y = fused_moe(
-            received,
-            experts.w13_weight,
-            experts.w2_weight,
-            ones,
-            local_ids[:, None],
-            experts.act,
-            experts.method if experts.method != "loop" else "auto",
-        )
+        y = self.block.experts(received, ones, local_ids[:, None])  # each row through one expert
 
         # combine: every row back to the rank it came from, then each token's weighted sum
         returned = self.all_to_all(y, send_counts, recv_counts)
@@ -115,6 +103,17 @@ class ExpertParallelMoE(nn.Module):
         pairs[order] = returned  # (my tokens * top_k, hidden) in (token, choice) order
         mine = combine(pairs, topk_weights[lo:hi], x.dtype)  # (my tokens, hidden)
         return self.all_gather(mine, bounds)
+
+    def received_experts(self, topk_ids, bounds: list[int]) -> torch.Tensor:
+        """Which of this rank's experts each received row is for, numbered from 0 here. Rank s sent
+        its pairs sorted by expert, and all_to_all puts rank 0's rows first: every rank knows the
+        routing, so it needs no message to know them."""
+        by_source = [
+            topk_ids[bounds[s] : bounds[s + 1]].flatten().sort(stable=True).values
+            for s in range(self.n)
+        ]
+        expert = torch.cat(by_source)
+        return expert[expert // self.num_local == self.rank] - self.rank * self.num_local
 
     def traffic(self, owner: torch.Tensor, bounds: list[int]) -> list[list[int]]:
         """(n, n) host counts: [s][d] = pairs of rank s's tokens whose expert rank d holds."""
