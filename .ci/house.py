@@ -46,7 +46,7 @@ PACKAGE = ROOT / "minicb"
 # +8). 2760: the engine loop on a real GPU (issue 32) needs host-to-device copies that do not wait
 # for the device (to_device, vLLM's async_tensor_h2d, in each place a step copies a list), the
 # heap frozen once the engine is built (vLLM V1's freeze_gc_heap) and vLLM's output_kind (+32).
-ONE_STEP_LIMIT, FILE_LIMIT, METHOD_LIMIT, MAX_LINE = 2795, 300, 40, 100
+ONE_STEP_LIMIT, FILE_LIMIT, METHOD_LIMIT, MAX_LINE = 2800, 300, 40, 100
 # A file may be longer where splitting it would cut one idea in two: its limit and the reason.
 LONGER_FILES = {
     "serve.engine_loop": (

@@ -240,6 +240,13 @@ def moe_block(cfg, layer_idx: int) -> SparseMoeBlock | None:
     """This layer's mixture of experts, or None where its MLP is dense. With expert parallelism
     (worker/expert_parallel.py) the config names this rank's share of the experts: `ep_size` ranks,
     each holding num_experts / ep_size of them, while the router still scores all of them."""
+    is_deepseek_moe = cfg.model_type == "deepseek_v3" and layer_idx >= cfg.first_k_dense_replace
+    if is_deepseek_moe:  # shared experts, grouped sigmoid routing: not built yet
+        raise ValueError(
+            "DeepSeek-V3's mixture-of-experts layers are not supported yet: minicb runs its dense "
+            f"layers only (first_k_dense_replace >= num_hidden_layers, here "
+            f"{cfg.first_k_dense_replace} < {cfg.num_hidden_layers})"
+        )
     spec = moe_spec_of(cfg, layer_idx)
     if spec is None:
         return None

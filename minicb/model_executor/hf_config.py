@@ -3,6 +3,7 @@ key/value heads there are, which layers slide a window, which MLPs are mixtures 
 many bytes of KV cache one token needs. The model, its attention paths, the KV cache and the memory
 planner all ask these questions; the answers live here, below all of them."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,14 +22,54 @@ def num_kv_heads_of(hf_config) -> int:
     return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
 
 
+def cache_shape_of(hf_config) -> tuple[int, int, int]:
+    """(heads, key width, value width) of one token's cache entry in one layer: K and V of every kv
+    head; for multi-head latent attention one latent "head" and no separate value (mla.py)."""
+    mla = mla_spec_of(hf_config)
+    if mla is not None:
+        return 1, mla.kv_lora_rank + mla.qk_rope_head_dim, 0
+    return num_kv_heads_of(hf_config), head_dim_of(hf_config), head_dim_of(hf_config)
+
+
 def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
-    """Bytes of cache one token needs: K and V, in every layer, for every kv head."""
-    return (
-        2
-        * hf_config.num_hidden_layers
-        * num_kv_heads_of(hf_config)
-        * head_dim_of(hf_config)
-        * dtype.itemsize
+    """Bytes of cache one token needs: K and V, in every layer, for every kv head (MLA: the
+    latent)."""
+    heads, k_width, v_width = cache_shape_of(hf_config)
+    return hf_config.num_hidden_layers * heads * (k_width + v_width) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """Multi-head latent attention's shape (DeepSeek-V2/V3's config fields; mla.py)."""
+
+    kv_lora_rank: int  # the cached latent c
+    qk_rope_head_dim: int  # the cached rotary key, shared by every head
+    qk_nope_head_dim: int  # each head's key from c (and its query's part that meets it)
+    v_head_dim: int  # each head's value from c
+    q_lora_rank: int | None  # the query's own compression (None: one q_proj)
+    rope_interleave: bool  # rotary dims in interleaved pairs
+    softmax_scale: float
+
+
+def mla_spec_of(hf_config) -> MlaSpec | None:
+    """The latent attention of a DeepSeek-V3-family config, or None for any other model."""
+    if hf_config.model_type != "deepseek_v3":
+        return None
+    scale = (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim) ** -0.5
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        # YaRN's attention scaling, squared because it scales q and k alike (DeepSeek-V3's config)
+        factor, mscale_all_dim = rope["factor"], rope["mscale_all_dim"]
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale = scale * mscale * mscale
+    return MlaSpec(
+        hf_config.kv_lora_rank,
+        hf_config.qk_rope_head_dim,
+        hf_config.qk_nope_head_dim,
+        hf_config.v_head_dim,
+        hf_config.q_lora_rank,
+        bool(getattr(hf_config, "rope_interleave", True)),
+        scale,
     )
 
 

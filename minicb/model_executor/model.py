@@ -24,10 +24,19 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .attention import AttentionMetadata, paged_attention
 from .fused_moe import moe_block
-from .hf_config import head_dim_of, num_kv_heads_of, sliding_window_of
+from .hf_config import head_dim_of, mla_spec_of, num_kv_heads_of, sliding_window_of
+from .mla import MLAttention
 from .weights import load_hf_weights
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+)
 
 
 class RMSNorm(nn.Module):
@@ -158,7 +167,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        # DeepSeek-V3: multi-head latent attention (mla.py), its cache one latent per token
+        mla = mla_spec_of(cfg) is not None
+        self.self_attn = MLAttention(cfg, layer_idx, RMSNorm) if mla else Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = moe_block(cfg, layer_idx) or MLP(cfg)
 

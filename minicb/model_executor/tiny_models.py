@@ -47,6 +47,19 @@ TINY_ARCHS = {  # arch -> (HF config class, fields that give the variant its twi
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 MOE_ARCHS = ("qwen3_moe", "mixtral")
+TINY_ARCHS["deepseek_v3"] = (  # multi-head latent attention (mla.py), dense MLPs only
+    "DeepseekV3Config",
+    dict(
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        head_dim=16,
+        first_k_dense_replace=2,
+    ),
+)
 
 
 def tiny_config(arch: str = "llama", **config_overrides) -> transformers.PretrainedConfig:

@@ -22,7 +22,7 @@ The cache may hold another dtype than the model computes in (kv_cache_dtype="fp8
 
 import torch
 
-from ..model_executor.hf_config import head_dim_of, num_kv_heads_of
+from ..model_executor.hf_config import cache_shape_of
 from ..model_executor.kv_quant import KVQuant
 
 
@@ -48,10 +48,15 @@ class KVCache:
         self.num_layers = hf_config.num_hidden_layers
         self.num_blocks = num_blocks  # blocks the BlockManager may hand out: ids 0..num_blocks-1
         self.block_size = block_size
-        self.num_kv_heads = num_kv_heads_of(hf_config)
-        self.head_dim = head_dim_of(hf_config)
+        # (kv heads, K width, V width); multi-head latent attention: (1, latent width, 0)
+        self.num_kv_heads, self.head_dim, self.v_head_dim = cache_shape_of(hf_config)
         self.dtype = dtype  # what attention computes in
         self.cache_dtype = cache_dtype or dtype  # what the cache holds: fewer bytes, more blocks
+        if self.v_head_dim == 0 and self.cache_dtype != dtype:
+            raise ValueError(
+                "an fp8 KV cache is not supported with multi-head latent attention (DeepSeek-V3) "
+                "yet: use kv_cache_dtype='auto'"
+            )
         self.device = torch.device(device)
         # Per layer, None when the cache holds the model's dtype; else how K/V go in and out (with
         # fp8 scales)
@@ -71,25 +76,28 @@ class KVCache:
         # index_select over dim 1 instead of a loop over layers.
         # (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)
         block_shape = (block_size, self.num_kv_heads, self.head_dim)
+        v_block_shape = (block_size, self.num_kv_heads, self.v_head_dim)
         # zeros, not empty: padded rows read the sink, and although their attention weights on it
         # are masked to 0, 0 * NaN from uninitialised memory would still be NaN.
         self.k = torch.zeros(
             (self.num_layers, num_blocks + 1, *block_shape), dtype=storage, device=self.device
         )
-        self.v = torch.zeros_like(self.k)
+        pools = (self.num_layers, num_blocks + 1)
+        self.v = torch.zeros((*pools, *v_block_shape), dtype=storage, device=self.device)
         self.k_caches = list(self.k.unbind(0))  # views, one per layer
         self.v_caches = list(self.v.unbind(0))
 
         # Pinned host memory makes device <-> host copies fast (and possible to overlap).
         pin = self.device.type == "cuda"
         cpu_shape = (self.num_layers, num_cpu_blocks, *block_shape)
+        cpu_v_shape = (self.num_layers, num_cpu_blocks, *v_block_shape)
         self.cpu_k = torch.zeros(cpu_shape, dtype=storage, device="cpu", pin_memory=pin)
-        self.cpu_v = torch.zeros(cpu_shape, dtype=storage, device="cpu", pin_memory=pin)
+        self.cpu_v = torch.zeros(cpu_v_shape, dtype=storage, device="cpu", pin_memory=pin)
 
     @property
     def num_bytes(self) -> int:
         """Bytes of device memory held by the K and V pools (sink block included)."""
-        return 2 * self.k.numel() * self.k.element_size()
+        return (self.k.numel() + self.v.numel()) * self.k.element_size()
 
     def _check_ids(self, ids: list[int], limit: int, what: str) -> None:
         for i in ids:

@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from ..model_executor.fused_moe import SparseMoeBlock
-from ..model_executor.hf_config import head_dim_of, moe_spec_of, num_kv_heads_of
+from ..model_executor.hf_config import head_dim_of, mla_spec_of, moe_spec_of, num_kv_heads_of
 from ..model_executor.weights import per_expert_names
 from .expert_parallel import ExpertParallelMoE, expert_slice
 
@@ -57,6 +57,11 @@ def check_tensor_parallel(hf_config, n: int, expert_parallel: bool = False) -> N
     """Raise ValueError, naming the numbers, unless the model splits into n whole-head shards (and,
     with expert parallelism, n shares of whole experts)."""
     heads, kv_heads = hf_config.num_attention_heads, num_kv_heads_of(hf_config)
+    if mla_spec_of(hf_config) is not None:
+        raise ValueError(
+            "tensor_parallel_size > 1 is not supported with multi-head latent attention "
+            "(DeepSeek-V3) yet"
+        )
     if heads % n:
         raise ValueError(
             f"tensor_parallel_size={n} must divide num_attention_heads={heads} (each rank owns "
