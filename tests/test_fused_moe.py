@@ -181,3 +181,45 @@ def test_dense_layers_between_moe_layers_and_renormalized_qwen3_moe(tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert type(llm.engine.runner.model.layers[1].mlp).__name__ == "MLP"
     assert all(len(s.expert_load) == 2 for s in llm.engine.trace)  # layers 0 and 2
+
+
+def test_deepseek_grouped_routing_is_transformers_routing():
+    """DeepSeek-V3's router: sigmoid scores, the correction bias steering the choice only, experts
+    from the best topk_group of n_group groups, renormalized and scaled: the same experts and
+    weights as transformers' DeepseekV3TopkRouter, and never more groups than allowed."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from minicb.model_executor.grouped_topk import GroupedTopkRouter
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2
+    )
+    theirs = DeepseekV3TopkRouter(config)
+    torch.nn.init.normal_(theirs.weight, std=1.0)
+    theirs.e_score_correction_bias.normal_(0.0, 0.5)
+    ours = GroupedTopkRouter(config)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(40, 16)
+    _, hf_weights, hf_ids = theirs(x)
+    weights, ids = ours(x)
+    hf_order, order = hf_ids.sort(dim=1), ids.sort(dim=1)  # transformers leaves them unsorted
+    assert torch.equal(order.values, hf_order.values)
+    # float32, and the renormalizing sum adds the same four scores in another order: 1 ulp or so
+    torch.testing.assert_close(
+        weights.gather(1, order.indices), hf_weights.gather(1, hf_order.indices), rtol=1e-6, atol=0
+    )
+    groups_used = (ids // 4).sort(dim=1).values
+    assert all(len(set(row)) <= 2 for row in groups_used.tolist())
+    assert torch.allclose(weights.sum(dim=1), torch.full((40,), config.routed_scaling_factor))
+
+
+def test_a_deepseek_moe_layer_has_its_router_and_shared_expert(tmp_path):
+    loaded = load_model(save_tiny_model(tmp_path, arch="deepseek_v3", seed=1), torch.float64)
+    llm = LLM.from_loaded(loaded, dtype="float64", block_size=4, num_blocks=64)
+    layers = llm.engine.runner.model.layers
+    assert type(layers[0].mlp).__name__ == "MLP"  # first_k_dense_replace = 1
+    moe = layers[1].mlp
+    assert type(moe.gate).__name__ == "GroupedTopkRouter" and moe.shared_experts is not None
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert all(len(s.expert_load) == 1 and len(s.expert_load[0]) == 8 for s in llm.engine.trace)

@@ -83,12 +83,6 @@ def test_deepseek_v3_caches_70_kb_a_token_against_320_for_llama_70b():
 
 
 def test_what_latent_attention_does_not_run_yet_is_refused(tmp_path, loaded):
-    cfg = tiny_config("deepseek_v3", first_k_dense_replace=1)
-    with pytest.raises(ValueError, match="DeepSeek-V3's mixture-of-experts layers"):
-        from minicb.model_executor.model import CausalLM
-
-        with torch.device("meta"):
-            CausalLM(cfg)
     with pytest.raises(ValueError, match="fp8"):
         LLM.from_loaded(loaded, dtype="float64", kv_cache_dtype="fp8", num_blocks=8)
     with pytest.raises(ValueError, match="latent attention"):

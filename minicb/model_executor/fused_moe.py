@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from transformers.activations import ACT2FN
 
+from .grouped_topk import GroupedTopkRouter
 from .hf_config import moe_spec_of
 
 GROUPED_MM_SUPPORT: dict[tuple[str, torch.dtype], bool] = {}  # probed once per device and dtype
@@ -218,38 +219,45 @@ class SparseMoeBlock(nn.Module):
         renormalize,
         act,
         num_local_experts=None,
+        router=None,
+        shared_experts=None,
     ):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        # a linear layer scored by softmax, or a router module giving (weights, ids) itself
+        # (DeepSeek-V3's: grouped_topk.py)
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False) if router is None else router
         local = num_experts if num_local_experts is None else num_local_experts
         self.experts = FusedMoE(local, hidden_size, intermediate_size, act)
+        self.shared_experts = shared_experts  # an MLP every token runs through too (DeepSeek)
         self.last_load = None
 
     def route(self, x) -> tuple[torch.Tensor, torch.Tensor]:
-        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        if isinstance(self.gate, nn.Linear):
+            topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        else:
+            topk_weights, topk_ids = self.gate(x)
         self.last_load = tokens_per_expert(topk_ids, self.num_experts)
         return topk_weights, topk_ids
 
     def forward(self, x):
         topk_weights, topk_ids = self.route(x)
-        return self.experts(x, topk_weights, topk_ids)
+        out = self.experts(x, topk_weights, topk_ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-def moe_block(cfg, layer_idx: int) -> SparseMoeBlock | None:
-    """This layer's mixture of experts, or None where its MLP is dense. With expert parallelism
+def moe_block(cfg, layer_idx: int, mlp_class) -> SparseMoeBlock | None:
+    """This layer's mixture of experts, or None where its MLP is dense (`mlp_class(cfg,
+    intermediate_size)` builds DeepSeek's shared experts). With expert parallelism
     (worker/expert_parallel.py) the config names this rank's share of the experts: `ep_size` ranks,
     each holding num_experts / ep_size of them, while the router still scores all of them."""
-    is_deepseek_moe = cfg.model_type == "deepseek_v3" and layer_idx >= cfg.first_k_dense_replace
-    if is_deepseek_moe:  # shared experts, grouped sigmoid routing: not built yet
-        raise ValueError(
-            "DeepSeek-V3's mixture-of-experts layers are not supported yet: minicb runs its dense "
-            f"layers only (first_k_dense_replace >= num_hidden_layers, here "
-            f"{cfg.first_k_dense_replace} < {cfg.num_hidden_layers})"
-        )
     spec = moe_spec_of(cfg, layer_idx)
     if spec is None:
         return None
+    router = shared = None
+    if cfg.model_type == "deepseek_v3":  # grouped sigmoid routing, and shared experts
+        router = GroupedTopkRouter(cfg)
+        shared = mlp_class(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
     return SparseMoeBlock(
         cfg.hidden_size,
         spec.num_experts,
@@ -258,6 +266,8 @@ def moe_block(cfg, layer_idx: int) -> SparseMoeBlock | None:
         spec.renormalize,
         ACT2FN[cfg.hidden_act],
         num_local_experts=spec.num_experts // getattr(cfg, "ep_size", 1),
+        router=router,
+        shared_experts=shared,
     )
 
 

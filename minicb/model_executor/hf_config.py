@@ -104,6 +104,13 @@ def moe_spec_of(hf_config, layer_idx: int) -> MoeSpec | None:
             hf_config.intermediate_size,
             True,
         )
+    if hf_config.model_type == "deepseek_v3" and layer_idx >= hf_config.first_k_dense_replace:
+        return MoeSpec(  # routed experts; the router and shared experts: grouped_topk.py
+            hf_config.n_routed_experts,
+            hf_config.num_experts_per_tok,
+            hf_config.moe_intermediate_size,
+            bool(hf_config.norm_topk_prob),
+        )
     if hf_config.model_type == "qwen3_moe":  # dense where mlp_only_layers / decoder_sparse_step say
         is_sparse = (
             layer_idx not in (hf_config.mlp_only_layers or [])

@@ -150,12 +150,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, intermediate_size: int | None = None):
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
+        inter = intermediate_size or cfg.intermediate_size
         # gate and up projections fused into one matmul: (hidden) -> 2 * intermediate
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias)
         self.act = ACT2FN[cfg.hidden_act]
 
     def forward(self, x):
@@ -171,7 +172,7 @@ class DecoderLayer(nn.Module):
         mla = mla_spec_of(cfg) is not None
         self.self_attn = MLAttention(cfg, layer_idx, RMSNorm) if mla else Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = moe_block(cfg, layer_idx) or MLP(cfg)
+        self.mlp = moe_block(cfg, layer_idx, MLP) or MLP(cfg)
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta, quant=None):
         h = h + self.self_attn(

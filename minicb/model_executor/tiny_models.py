@@ -46,9 +46,9 @@ TINY_ARCHS = {  # arch -> (HF config class, fields that give the variant its twi
     # 4 experts, top 2, renormalized
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
-MOE_ARCHS = ("qwen3_moe", "mixtral")
-TINY_ARCHS["deepseek_v3"] = (  # multi-head latent attention (mla.py), dense MLPs only
-    "DeepseekV3Config",
+MOE_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
+TINY_ARCHS["deepseek_v3"] = (  # multi-head latent attention (mla.py); layer 1 a DeepSeek MoE:
+    "DeepseekV3Config",  # 8 experts in 4 groups, the top 2 from the best 2 groups, 1 shared expert
     dict(
         num_key_value_heads=4,
         q_lora_rank=24,
@@ -57,7 +57,13 @@ TINY_ARCHS["deepseek_v3"] = (  # multi-head latent attention (mla.py), dense MLP
         qk_nope_head_dim=16,
         v_head_dim=24,
         head_dim=16,
-        first_k_dense_replace=2,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
     ),
 )
 
@@ -109,6 +115,9 @@ def make_tiny_model(
                     p.normal_(1.0, 0.1)
                 elif name.endswith("bias"):
                     p.normal_(0.0, config.initializer_range)
+            for name, b in model.named_buffers():  # DeepSeek's router bias steers the choice
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.5)
     return model.to(dtype).eval()
 
 
