@@ -50,6 +50,13 @@ class EngineConfig:
     # fp8: scales from the first step's amax (minicb's own; vLLM removed its option, PR #49389)
     calculate_kv_scales: bool = False
     num_cpu_blocks: int | None = None  # swap space in blocks; None: as many as num_blocks
+    # A CPU tier for the prefix cache (vLLM's names): GiB of host memory that keep the full blocks
+    # the device's prefix cache evicts, loaded back on a hit (core/kv_offload.py); backend "native"
+    # (vLLM's own; LMCache is not built in). num_offload_blocks: the same in blocks (minicb's;
+    # the engine derives it from kv_offloading_size)
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+    num_offload_blocks: int | None = None
     enable_prefix_caching: bool = True  # reuse full blocks whose token prefix was computed before
     # prompt + output limit; None: the model's (or unlimited in sim)
     max_model_len: int | None = None
@@ -162,6 +169,7 @@ class EngineConfig:
         )
         if not is_valid_num_cpu_blocks:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
+        self._check_offloading()
         for name, allowed in (
             ("batching", BATCHING_MODES),
             ("scheduling_policy", SCHEDULING_POLICIES),
@@ -243,6 +251,19 @@ class EngineConfig:
         if self.preemption_mode != "swap":
             return 0
         return self.num_blocks if self.num_cpu_blocks is None else self.num_cpu_blocks
+
+    def _check_offloading(self) -> None:
+        size, backend = self.kv_offloading_size, self.kv_offloading_backend
+        if size is not None and not (isinstance(size, (int, float)) and size > 0):
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
+        if backend not in (None, "native"):
+            raise ValueError(
+                f"kv_offloading_backend {backend!r} is not supported; minicb has 'native' (vLLM "
+                "also offers 'lmcache')"
+            )
+        blocks = self.num_offload_blocks
+        if blocks is not None and (not isinstance(blocks, int) or blocks < 0):
+            raise ValueError(f"num_offload_blocks must be >= 0, got {blocks!r}")
 
     def replace(self, **changes) -> "EngineConfig":
         """A validated copy with some fields changed (the config itself is frozen)."""

@@ -53,6 +53,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)  # minicb: wall-clock times
     error: str | None = None  # minicb: what went wrong when the finish reason is "error"
+    # vLLM's: prompt tokens its first admission found in a prefix cache, the device's or the CPU
+    # tier's (None before it was admitted)
+    num_cached_tokens: int | None = None
 
     def __repr__(self):
         outs = ", ".join(

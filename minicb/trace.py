@@ -86,6 +86,9 @@ class StepRecord:
     # with expert parallelism, per MoE layer: [s][d] = (token, expert) pairs that rank s's share of
     # the step sent to rank d's experts (the all-to-all's traffic matrix); None otherwise
     expert_traffic: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    # the prefix cache's CPU tier: blocks copied to it (evicted) and back from it (hits) this step
+    blocks_offloaded: int = 0
+    blocks_loaded: int = 0
 
     def tokens_per_rank(self, num_ranks: int) -> tuple[tuple[int, ...], ...] | None:
         """Per MoE layer, the (token, expert) pairs that each rank's experts got this step, with the
@@ -209,6 +212,8 @@ class Trace:
             graph_width=graph_width,
             times=times,
             expert_load=None if expert_load is None else tuple(map(tuple, expert_load.tolist())),
+            blocks_offloaded=len(getattr(out, "blocks_to_offload", ())),
+            blocks_loaded=len(getattr(out, "blocks_to_load", ())),
             expert_traffic=None
             if expert_traffic is None
             else tuple(tuple(map(tuple, layer)) for layer in expert_traffic),

@@ -235,6 +235,9 @@ def test_gauges_agree_with_a_real_scheduler(mode):
             spec_decode_num_accepted_tokens=0,
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
+            kv_offload_hits=0,
+            kv_offload_blocks_stored=0,
+            kv_offload_blocks_loaded=0,
         )
         assert stats["kv_blocks_used"] + stats["kv_blocks_free"] == 6
         assert stats["num_requests_running"] + stats["num_requests_waiting"] + stats[
@@ -279,6 +282,7 @@ def test_speculative_counters_follow_the_engines_totals():
     class Engine:  # what engine_stats reads
         def __init__(self, scheduler, stats):
             self.scheduler, self.runner = scheduler, type("Runner", (), {"spec_stats": stats})()
+            self.kv_cache = type("KVCache", (), {"block_bytes": 64})()  # the CPU tier's bytes
 
     stats, m = SpecDecodingStats(), ServerMetrics("spec")
     engine = Engine(Scheduler(EngineConfig(num_blocks=8)), stats)

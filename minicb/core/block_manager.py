@@ -19,11 +19,16 @@ one left writes in place. vLLM's PagedAttention paper keeps reference counts for
 
 Swap: a preempted request's blocks can be copied to a pool of CPU blocks and back. This class only
 keeps the books (which block goes where); the torch side (kv_cache.py) copies the bytes.
+
+A CPU tier for the prefix cache (num_offload_blocks > 0; kv_offload.py): a cached block that the
+allocator evicts is first copied to a host slot, and a prompt that misses on the device but finds
+the next blocks of its chain there has them copied back (`find_offloaded`, then `allocate`).
 """
 
 from collections import OrderedDict
 
 from ..config import cdiv
+from .kv_offload import CpuBlockTier
 from .request import Request
 
 
@@ -51,6 +56,7 @@ class BlockManager:
         block_size: int,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
+        num_offload_blocks: int = 0,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -73,6 +79,8 @@ class BlockManager:
         self.cpu_block_tables: dict[str, list[int]] = {}
         # (src, dst) device copies the runner must make
         self.pending_copies: list[tuple[int, int]] = []
+        # the prefix cache's CPU tier, with this step's copies to it and from it
+        self.tier = CpuBlockTier(num_offload_blocks) if num_offload_blocks else None
 
     # ------------------------------------------------------------------ statistics
     @property
@@ -104,10 +112,8 @@ class BlockManager:
         """Blocks already holding this request's leading tokens. At least one token is always left
         to compute (its logits are needed for the next sample), so the block holding the last
         token is never taken from the cache and no write ever lands in a shared block."""
-        if not self.enable_prefix_caching or (
-            req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
-        ):
-            return []  # prompt_logprobs need every prompt token's logits: cached blocks have none
+        if not self._may_hit(req):
+            return []
         hits, num_full = [], (req.num_tokens - 1) // self.block_size
         for i, h in enumerate(
             self._hashes(req, num_full)[:num_full]
@@ -117,6 +123,22 @@ class BlockManager:
                 break
             hits.append(block)
         return hits
+
+    def find_offloaded(self, req: Request, start: int) -> list[int]:
+        """Tier slots holding this request's blocks start, start + 1, ... (after its device hits):
+        the run of its hash chain found in the CPU tier, as far as find_cached_prefix may go."""
+        if self.tier is None or not self._may_hit(req):
+            return []
+        num_full = (req.num_tokens - 1) // self.block_size
+        hashes = self._hashes(req, num_full)
+        return self.tier.find_run([(hashes[i], self._key(req, i)) for i in range(start, num_full)])
+
+    def _may_hit(self, req: Request) -> bool:
+        # prompt_logprobs need every prompt token's logits: cached blocks have none
+        scores_prompt = req.prompt_logprobs is not None
+        return self.enable_prefix_caching and not (
+            scores_prompt and len(req.prompt_logprobs) < req.num_prompt_tokens
+        )
 
     def _key(self, req: Request, i: int) -> tuple:
         """(parent hash, tokens) of block i of `req`: what its hash must stand for."""
@@ -148,6 +170,8 @@ class BlockManager:
     def _take_free_block(self) -> int:
         block, _ = self.free_queue.popitem(last=False)
         h = self.block_hash[block]
+        if h is not None and self.tier is not None:  # keep a copy of the prefix it held
+            self.tier.evicted(block, h, self.block_key[block])
         if h is not None:  # evict the prefix it held
             self.block_hash[block] = self.block_key[block] = None
             if self.cached.get(h) == block:
@@ -181,10 +205,18 @@ class BlockManager:
             self.free_queue
         )
 
-    def allocate(self, req: Request, num_tokens: int, computed_blocks: list[int] = ()) -> None:
+    def allocate(
+        self,
+        req: Request,
+        num_tokens: int,
+        computed_blocks: list[int] = (),
+        offloaded: list[int] = (),
+    ) -> None:
         """Grow `req`'s block table so it covers `num_tokens` tokens. `computed_blocks`
-        (prefix-cache hits, only when the table is new) are shared instead of allocated. If the
-        next write lands in a block shared with a sibling sample, that block is copied first."""
+        (prefix-cache hits, only when the table is new) are shared instead of allocated, and the
+        blocks in `offloaded` tier slots (find_offloaded) are loaded into fresh blocks after them.
+        If the next write lands in a block shared with a sibling sample, that block is copied
+        first."""
         rid = req.request_id
         if not self.can_allocate(
             rid, num_tokens, computed_blocks, req.num_computed_tokens
@@ -203,8 +235,28 @@ class BlockManager:
                 del self.free_queue[block]
             self.ref_counts[block] += 1
             table.append(block)
+        self._load(req, table, offloaded)
         while len(table) * self.block_size < num_tokens:
             table.append(self._take_free_block())
+
+    def _load(self, req: Request, table: list[int], slots: list[int]) -> None:
+        """Fresh device blocks for the tier's hits, filled from their slots at the step's start and
+        cached again under their hashes."""
+        for slot in slots:
+            self.tier.pin(slot)  # first: taking blocks below may store into the tier
+        for slot in slots:
+            i, block = len(table), self._take_free_block()
+            table.append(block)
+            self.tier.loading(slot, block)
+            h = req.block_hashes[i]
+            if h not in self.cached:
+                self.cached[h] = block
+                self.block_hash[block], self.block_key[block] = h, self._key(req, i)
+        self.num_hashed[req.request_id] += len(slots)
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's copies to the CPU tier and from it: (offloads, loads)."""
+        return ([], []) if self.tier is None else self.tier.take_transfers()
 
     def fork(self, parent_rid: str, child_rid: str) -> None:
         """The child shares every block of the parent (reference counts up, nothing copied)."""
@@ -326,6 +378,8 @@ class BlockManager:
         assert sorted(cpu_owned + self.cpu_free) == list(range(self.num_cpu_blocks)), (
             "CPU blocks leaked"
         )
+        if self.tier is not None:
+            self.tier.check_invariants()
 
     def __repr__(self):
         tables = ", ".join(f"{rid}: {t}" for rid, t in self.block_tables.items())

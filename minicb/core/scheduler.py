@@ -37,6 +37,7 @@ class Scheduler:
             config.block_size,
             config.num_swap_blocks,
             config.enable_prefix_caching,
+            config.num_offload_blocks or 0,
         )
         self.waiting: list[Request] = []  # kept sorted by policy key
         self.running: list[Request] = []  # in admission order
@@ -48,6 +49,7 @@ class Scheduler:
         # prompt tokens looked up in, and found in, the prefix cache at first admissions (vLLM V1's
         # PrefixCacheStats): the hit rate a cache-aware router is judged by
         self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.offload_hits = 0  # of those hits, the tokens loaded from the CPU tier
         self.finished: list[Request] = []  # finished or aborted since take_finished()
         # the step being scheduled: its estimated time (None: a token budget only)
         self.timer: StepTimer | None = None
@@ -141,7 +143,7 @@ class Scheduler:
             # a lower value outranks; equals never preempt
             if victim is None or best.priority >= victim.priority:
                 return
-            hits, computed, num_new = self._admission(best, self.config.max_num_batched_tokens)
+            hits, _, computed, num_new = self._admission(best, self.config.max_num_batched_tokens)
             fits = self._has_seats(best) and self.block_manager.can_allocate(
                 best.request_id, computed + num_new, hits
             )
@@ -185,11 +187,13 @@ class Scheduler:
             self.timer.add_row(row)
         return row
 
-    def _admission(self, req: Request, budget: int) -> tuple[list[int], int, int]:
-        """(prefix-cache hits, tokens they cover, tokens to compute now) for a waiting request."""
+    def _admission(self, req: Request, budget: int) -> tuple[list[int], list[int], int, int]:
+        """(prefix-cache hits on the device, then in the CPU tier, tokens they cover, tokens to
+        compute now) for a waiting request."""
         hits = self.block_manager.find_cached_prefix(req)
-        computed = len(hits) * self.config.block_size
-        return hits, computed, self._num_new_tokens(req, computed, budget)
+        offloaded = self.block_manager.find_offloaded(req, len(hits))
+        computed = (len(hits) + len(offloaded)) * self.config.block_size
+        return hits, offloaded, computed, self._num_new_tokens(req, computed, budget)
 
     def _mark_admitted(self, req: Request, out: SchedulerOutput) -> None:
         """Admitted means one thing: holding a slot, the request is given its first tokens (again,
@@ -228,6 +232,7 @@ class Scheduler:
         out.scheduled = [r for r in rows if not r.is_prefill] + [r for r in rows if r.is_prefill]
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.blocks_to_copy = self.block_manager.take_copies()
+        out.blocks_to_offload, out.blocks_to_load = self.block_manager.take_transfers()
         self._update_after_schedule(out)
         return out
 
@@ -343,7 +348,7 @@ class Scheduler:
             if must_wait:
                 # a swapped request comes first: it waits for room, and so does everyone behind it
                 break
-            hits, computed, num_new = self._admission(req, budget)
+            hits, offloaded, computed, num_new = self._admission(req, budget)
             does_not_fit = (num_new == 0 and c.batching == "continuous") or not bm.can_allocate(
                 req.request_id, computed + num_new, hits
             )
@@ -352,7 +357,9 @@ class Scheduler:
             if req is not head and forming:
                 head.num_passed += 1
             self.waiting.remove(req)
-            bm.allocate(req, computed + num_new, hits)
+            bm.allocate(req, computed + num_new, hits, offloaded)
+            if req.num_cached_tokens < 0:  # first admission: tokens the CPU tier gave
+                self.offload_hits += len(offloaded) * c.block_size
             req.num_computed_tokens = computed
             self._take_slot(req)
             self._charge_tenants([req], [])  # before the next pick

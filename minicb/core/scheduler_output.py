@@ -62,6 +62,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     # (device, device): copy-on-write
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # the prefix cache's CPU tier: evicted blocks kept (device, slot), hits loaded (slot, device)
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_decode_rows(self) -> int:

@@ -28,6 +28,7 @@ from threading import Event
 from ..outputs import RequestOutput
 from ..trace import StepTimes
 from ..worker.executor import StepExecutor
+from ..worker.kv_cache import block_transfers
 from ..worker.model_runner import host_inputs
 
 
@@ -62,9 +63,7 @@ class BatchQueue:
         eng = self.engine
         times = StepTimes(schedule_start=time.perf_counter())
         out = eng._schedule(times)
-        has_work = (
-            out.scheduled or out.blocks_to_swap_out or out.blocks_to_copy or out.blocks_to_swap_in
-        )
+        has_work = out.scheduled or any(block_transfers(out))
         launched = None
         if has_work:
             h = host_inputs(out, eng.config.block_size) if out.scheduled else None

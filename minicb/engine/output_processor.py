@@ -142,4 +142,5 @@ class OutputProcessor:
             finished,
             first.metrics.snapshot(),
             error,
+            first.num_cached_tokens if first.num_cached_tokens >= 0 else None,
         )

@@ -112,6 +112,18 @@ def add_engine_arguments(parser, max_num_seqs: int = 32, max_decode_slowdown: fl
         "--tensor-parallel-size", type=int, default=1, help="split every layer over N processes"
     )
     parser.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="GiB of host memory that keep the prefix-cache blocks the device evicts (a CPU tier)",
+    )
+    parser.add_argument(
+        "--kv-offloading-backend",
+        default=None,
+        choices=["native"],
+        help="the CPU tier's backend (vLLM's names; minicb has native)",
+    )
+    parser.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="a mixture of experts: whole experts on each of those processes, tokens sent to them",
@@ -184,6 +196,8 @@ def engine_config(args, model: str | None = None):
         calculate_kv_scales=args.calculate_kv_scales,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
         max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy,
         batching=args.batching,

@@ -57,6 +57,9 @@ The prefix cache (publish_gauges, from the scheduler's totals; vLLM V1's names, 
                                  data parallelism, per replica (engine label), which is what a
                                  cache-aware router is judged by. vLLM also counts the lookups of
                                  preempted requests again; minicb counts a request once
+  minicb:kv_offload_hits, minicb:kv_offload_bytes_to_cpu, minicb:kv_offload_bytes_to_device
+                                 the prefix cache's CPU tier (kv_offloading_size): the hits' tokens
+                                 that came from host memory, and the bytes copied each way
 Admission (count_rejected):
   vllm:admission_rejections      requests refused because the server held max_num_seqs + max_waiting
                                  (HTTP 503), the rule of vLLM's --max-num-queued-reqs; vLLM adds a
@@ -201,13 +204,21 @@ def scheduler_stats(scheduler, spec_stats=None) -> dict[str, int]:
         # totals since the engine started, in prompt tokens: first admissions only
         prefix_cache_queries=scheduler.prefix_cache_queries,
         prefix_cache_hits=scheduler.prefix_cache_hits,
+        # the CPU tier (core/kv_offload.py): hits in tokens, copies in blocks
+        kv_offload_hits=scheduler.offload_hits,
+        kv_offload_blocks_stored=bm.tier.num_stored if bm.tier else 0,
+        kv_offload_blocks_loaded=bm.tier.num_loaded if bm.tier else 0,
         **spec,
     )
 
 
 def engine_stats(engine) -> dict[str, int]:
     """scheduler_stats of a minicb Engine: its scheduler's, with its speculative-decoding totals."""
-    return scheduler_stats(engine.scheduler, engine.runner.spec_stats)
+    stats = scheduler_stats(engine.scheduler, engine.runner.spec_stats)
+    block = engine.kv_cache.block_bytes  # one block over every layer: what a tier copy moves
+    stats["kv_offload_bytes_to_cpu"] = stats["kv_offload_blocks_stored"] * block
+    stats["kv_offload_bytes_to_device"] = stats["kv_offload_blocks_loaded"] * block
+    return stats
 
 
 def server_stats(engine) -> dict[str, int]:
@@ -359,6 +370,17 @@ class ServerMetrics:
                 ("hits", "Prompt tokens found in the prefix cache, at first admission."),
             )
         }
+        self.offload = {
+            k: counter(f"minicb:kv_offload_{k}", doc)
+            for k, doc in (
+                (
+                    "hits",
+                    "Prompt tokens loaded from the CPU tier at first admission (of the hits).",
+                ),
+                ("bytes_to_cpu", "Bytes copied from the device to the prefix cache's CPU tier."),
+                ("bytes_to_device", "Bytes copied back from the CPU tier on a hit."),
+            )
+        }
         self.itl = histogram(
             "vllm:inter_token_latency_seconds",
             "Time between two consecutive output tokens, seconds.",
@@ -417,6 +439,7 @@ class ServerMetrics:
             # totals in, counters out: add what is new since the last call
             counters = {f"spec_decode_{k}": c for k, c in self.spec.items()}
             counters.update({f"prefix_cache_{k}": c for k, c in self.prefix_cache.items()})
+            counters.update({f"kv_offload_{k}": c for k, c in self.offload.items()})
             for key, c in counters.items():
                 c.inc(max(0, stats.get(key, 0) - self.totals_seen.get(key, 0)))
                 self.totals_seen[key] = stats.get(key, 0)

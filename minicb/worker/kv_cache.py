@@ -38,6 +38,7 @@ class KVCache:
         device,
         num_cpu_blocks: int = 0,
         cache_dtype=None,
+        num_offload_blocks: int = 0,
     ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -93,6 +94,13 @@ class KVCache:
         cpu_v_shape = (self.num_layers, num_cpu_blocks, *v_block_shape)
         self.cpu_k = torch.zeros(cpu_shape, dtype=storage, device="cpu", pin_memory=pin)
         self.cpu_v = torch.zeros(cpu_v_shape, dtype=storage, device="cpu", pin_memory=pin)
+        # the prefix cache's CPU tier (core/kv_offload.py): copies of evicted prefix blocks
+        self.num_offload_blocks = num_offload_blocks
+        tier_shape, tier_v_shape = (
+            (self.num_layers, num_offload_blocks, *shape) for shape in (block_shape, v_block_shape)
+        )
+        self.tier_k = torch.zeros(tier_shape, dtype=storage, device="cpu", pin_memory=pin)
+        self.tier_v = torch.zeros(tier_v_shape, dtype=storage, device="cpu", pin_memory=pin)
 
     @property
     def num_bytes(self) -> int:
@@ -106,30 +114,61 @@ class KVCache:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks, all layers at once. pairs: (gpu_block, cpu_block)."""
-        if not pairs:
-            return
-        gpu_ids, cpu_ids = [g for g, _ in pairs], [c for _, c in pairs]
-        self._check_ids(gpu_ids, self.num_blocks, "gpu")  # the sink is never swapped
-        self._check_ids(cpu_ids, self.num_cpu_blocks, "cpu")
-        src = torch.tensor(gpu_ids, dtype=torch.long, device=self.device)
-        dst = torch.tensor(cpu_ids, dtype=torch.long)
-        # (num_layers, len(pairs), block_size, kv_heads, head_dim) gathered on device, then one
-        # transfer
-        self.cpu_k.index_copy_(1, dst, self.k.index_select(1, src).cpu())
-        self.cpu_v.index_copy_(1, dst, self.v.index_select(1, src).cpu())
+        self._check_ids([g for g, _ in pairs], self.num_blocks, "gpu")  # the sink never swaps
+        self._check_ids([c for _, c in pairs], self.num_cpu_blocks, "cpu")
+        self._to_host(self.cpu_k, self.cpu_v, pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy CPU blocks back to device blocks, all layers at once. pairs: (cpu_block,
         gpu_block)."""
+        self._check_ids([c for c, _ in pairs], self.num_cpu_blocks, "cpu")
+        self._check_ids([g for _, g in pairs], self.num_blocks, "gpu")
+        self._to_device(self.cpu_k, self.cpu_v, pairs)
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy evicted prefix blocks to the CPU tier before anyone overwrites them. pairs: (device
+        block, tier slot). On CUDA from pinned memory, on the step's stream (vLLM overlaps these
+        copies with the step on a stream of their own; minicb does not)."""
+        self._to_host(self.tier_k, self.tier_v, pairs)
+
+    def load(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy prefix blocks back from the CPU tier. pairs: (tier slot, device block)."""
+        self._to_device(self.tier_k, self.tier_v, pairs)
+
+    def _to_host(self, host_k, host_v, pairs: list[tuple[int, int]]) -> None:
+        """(device block, host block) pairs: gathered on the device, then one transfer per pool."""
         if not pairs:
             return
-        cpu_ids, gpu_ids = [c for c, _ in pairs], [g for _, g in pairs]
-        self._check_ids(cpu_ids, self.num_cpu_blocks, "cpu")
-        self._check_ids(gpu_ids, self.num_blocks, "gpu")
-        src = torch.tensor(cpu_ids, dtype=torch.long)
-        dst = torch.tensor(gpu_ids, dtype=torch.long, device=self.device)
-        self.k.index_copy_(1, dst, self.cpu_k.index_select(1, src).to(self.device))
-        self.v.index_copy_(1, dst, self.cpu_v.index_select(1, src).to(self.device))
+        src = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([h for _, h in pairs], dtype=torch.long)
+        # (num_layers, len(pairs), block_size, kv_heads, head_dim)
+        host_k.index_copy_(1, dst, self.k.index_select(1, src).cpu())
+        host_v.index_copy_(1, dst, self.v.index_select(1, src).cpu())
+
+    def _to_device(self, host_k, host_v, pairs: list[tuple[int, int]]) -> None:
+        """(host block, device block) pairs."""
+        if not pairs:
+            return
+        src = torch.tensor([h for h, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        self.k.index_copy_(1, dst, host_k.index_select(1, src).to(self.device))
+        self.v.index_copy_(1, dst, host_v.index_select(1, src).to(self.device))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer: what one tier copy moves."""
+        return (self.k[:, 0].numel() + self.v[:, 0].numel()) * self.k.element_size()
+
+    def transfer(self, offload, swap_out, copy, swap_in, load) -> None:
+        """A step's block copies, before its forward pass, in the one order that is safe: evicted
+        blocks leave for the tier and swapped-out blocks for swap space before anything overwrites
+        them; a copy-on-write source freed this step may be the target of a swap-in; loads fill
+        fresh blocks last."""
+        self.offload(offload)
+        self.swap_out(swap_out)
+        self.copy_blocks(copy)
+        self.swap_in(swap_in)
+        self.load(load)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: device block src to device block dst, all layers at once. pairs: (src,
@@ -149,5 +188,17 @@ class KVCache:
             f"KVCache(layers={self.num_layers}, blocks={self.num_blocks} + 1 sink, "
             f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, dtype={str(self.cache_dtype).removeprefix('torch.')}, "
-            f"device={self.device}, {mib:.1f} MiB, cpu_blocks={self.num_cpu_blocks})"
+            f"device={self.device}, {mib:.1f} MiB, cpu_blocks={self.num_cpu_blocks}, "
+            f"offload_blocks={self.num_offload_blocks})"
         )
+
+
+def block_transfers(out) -> tuple[list, list, list, list, list]:
+    """KVCache.transfer's arguments from a SchedulerOutput (what tensor-parallel workers get)."""
+    return (
+        out.blocks_to_offload,
+        out.blocks_to_swap_out,
+        out.blocks_to_copy,
+        out.blocks_to_swap_in,
+        out.blocks_to_load,
+    )

@@ -73,7 +73,14 @@ def resolve_config(config: EngineConfig, loaded) -> EngineConfig:
                 f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV "
                 f"block ({per_block} bytes for block_size={config.block_size})"
             )
-    return config.replace(max_model_len=max_len, num_blocks=num_blocks)
+    offload_blocks = config.num_offload_blocks
+    if offload_blocks is None and config.kv_offloading_size is not None:  # GiB of host memory
+        offload_blocks = int(config.kv_offloading_size * GiB) // block_bytes(
+            config, loaded.hf_config
+        )
+    return config.replace(
+        max_model_len=max_len, num_blocks=num_blocks, num_offload_blocks=offload_blocks
+    )
 
 
 @dataclass

@@ -34,6 +34,7 @@ from ..sample.sampler import Sampler
 from ..spec_decode.ngram_proposer import SpecDecodingStats
 from ..structured_output import apply_grammars
 from .expert_parallel import expert_traffic
+from .kv_cache import block_transfers
 
 
 @dataclass
@@ -176,11 +177,7 @@ class ModelRunner:
         scheduling waits there until the step before has been processed); `defer`: leave the
         sampled tokens on the device (`pending_tokens`); `fill`: (positions, tokens) to write over
         the input ids, on the device (async scheduling's placeholders: executor.py)."""
-        # Block copies first, in this order: a block swapped out this step may be handed to another
-        # request below, and a copy-on-write source freed this step may be the target of a swap-in.
-        self.kv_cache.swap_out(out.blocks_to_swap_out)
-        self.kv_cache.copy_blocks(out.blocks_to_copy)
-        self.kv_cache.swap_in(out.blocks_to_swap_in)
+        self.kv_cache.transfer(*block_transfers(out))  # block copies first (KVCache.transfer)
         self.last_graph_bucket = self.last_graph_width = None
         result = ModelRunnerOutput()
         rows = out.scheduled

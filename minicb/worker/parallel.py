@@ -49,6 +49,7 @@ from ..model_executor.fused_moe import SparseMoeBlock
 from ..model_executor.hf_config import head_dim_of, mla_spec_of, moe_spec_of, num_kv_heads_of
 from ..model_executor.weights import per_expert_names
 from .expert_parallel import ExpertParallelMoE, expert_slice
+from .kv_cache import block_transfers
 
 TIMEOUT = datetime.timedelta(seconds=60)  # a collective that waits longer means a rank is gone
 
@@ -275,7 +276,7 @@ class TensorParallel:
         """Before rank 0 runs a step: the block copies, and the rows' host inputs (None: no
         forward)."""
         self.log.new_step()
-        self.send(("step", out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in, host))
+        self.send(("step", block_transfers(out), host))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the workers and leave the process group; safe to call twice, and after a worker
@@ -316,6 +317,7 @@ def _worker_main(rank: int, n: int, init: str, backend: str, loaded, config) -> 
             device,
             config.num_swap_blocks,
             cache_dtype_of(config.kv_cache_dtype, dtype),
+            config.num_offload_blocks or 0,
         )
         runner = ModelRunner(model, kv_cache, config, device)
         while True:
@@ -326,10 +328,8 @@ def _worker_main(rank: int, n: int, init: str, backend: str, loaded, config) -> 
                 break
             if kind != "step":
                 raise ValueError(f"tensor-parallel worker {rank}: unknown message {kind!r}")
-            swap_out, to_copy, swap_in, host = rest
-            kv_cache.swap_out(swap_out)
-            kv_cache.copy_blocks(to_copy)
-            kv_cache.swap_in(swap_in)
+            transfers, host = rest
+            kv_cache.transfer(*transfers)
             if host is not None:
                 with torch.inference_mode():
                     input_ids, positions, meta, _ = runner.inputs_from_host(host)

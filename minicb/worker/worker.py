@@ -78,6 +78,7 @@ class Worker:
             config.device,
             config.num_swap_blocks,
             cache_dtype,
+            config.num_offload_blocks or 0,
         )
         self.runner = ModelRunner(model, self.kv_cache, config, config.device)
         self.runner.tp, self.runner.attention_backend = self.tp, backend
