@@ -30,17 +30,23 @@ SCRIPTED_TOKEN = 1  # what the scripted model samples; never a stop token (ignor
 class ShadowKV:
     """A fake paged KV cache holding token ids: device[block][offset] and cpu[block][offset]."""
 
-    def __init__(self, num_blocks, num_cpu_blocks, block_size):
+    def __init__(self, num_blocks, num_cpu_blocks, block_size, num_offload_blocks=0):
         self.bs = block_size
         self.device = [[None] * block_size for _ in range(num_blocks)]
         self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.tier = [[None] * block_size for _ in range(num_offload_blocks)]  # the CPU tier
 
     def run(self, out):
-        """What a model runner does with a SchedulerOutput: swaps first, then write every row."""
+        """What a model runner does with a SchedulerOutput: the block copies in KVCache.transfer's
+        order, then write every row."""
+        for dev, slot in out.blocks_to_offload:
+            self.tier[slot] = list(self.device[dev])
         for dev, cpu in out.blocks_to_swap_out:
             self.cpu[cpu] = list(self.device[dev])
         for cpu, dev in out.blocks_to_swap_in:
             self.device[dev] = list(self.cpu[cpu])
+        for slot, dev in out.blocks_to_load:
+            self.device[dev] = list(self.tier[slot])
         for row in out.scheduled:
             for p in range(row.start, row.start + row.num_tokens):
                 self.device[row.block_table[p // self.bs]][p % self.bs] = row.request.token_ids[p]
@@ -64,6 +70,7 @@ CONFIG_PARAMS = dict(
     prefix_caching=st.booleans(),
     num_cpu_blocks=st.one_of(st.none(), st.integers(0, 12)),
     max_model_len=st.sampled_from([None, 40]),
+    num_offload_blocks=st.sampled_from([0, 0, 1, 3, 12]),  # the prefix cache's CPU tier
 )
 # (prefix index, prefix cut, suffix length, max_tokens, priority)
 REQUEST_SPEC = st.tuples(
@@ -93,6 +100,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix_caching,
         num_cpu_blocks,
         max_model_len,
+        num_offload_blocks=0,
     ):
         num_blocks = -(-blocks_for_tokens // block_size)
         self.config = EngineConfig(
@@ -107,10 +115,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_prefix_caching=prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
             max_model_len=max_model_len,
+            num_offload_blocks=num_offload_blocks,
         )
         self.sched = Scheduler(self.config)
         bm = self.sched.block_manager
-        self.kv = ShadowKV(bm.num_blocks, bm.num_cpu_blocks, block_size)
+        self.kv = ShadowKV(bm.num_blocks, bm.num_cpu_blocks, block_size, num_offload_blocks)
         self.all: dict[str, Request] = {}
         self.aborted: set[str] = set()
         self.next_token = 1000  # unique suffix tokens: no accidental sharing
@@ -344,6 +353,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.kv.device[b] == named[h], (
                 f"cached block {b} holds other tokens than its hash names"
             )
+        if bm.tier is not None:  # and every block the CPU tier keeps, in its slot
+            for h, slot in bm.tier.lru.items():
+                assert self.kv.tier[slot] == named[h], f"tier slot {slot} holds other tokens"
         for req in self.all.values():
             assert req.num_output_tokens <= req.params.max_tokens
             if req.is_finished and req.request_id not in self.aborted:
