@@ -95,6 +95,21 @@ def test_the_static_path_holds_in_a_graph_and_the_eager_one_does_not():
     torch.testing.assert_close(auto, ref, rtol=1e-13, atol=1e-13)
 
 
+def test_no_probe_inside_a_capture_decides_for_later_steps():
+    """The first MoE step of an engine may be a graph's capture: the grouped kernel's probe cannot
+    run there, and what it could not find out is not remembered as "unsupported"."""
+    from minicb.model_executor import fused_moe as module
+
+    saved = dict(module.GROUPED_MM_SUPPORT)
+    module.GROUPED_MM_SUPPORT.clear()
+    try:
+        with NoHostReads():
+            assert not grouped_mm_supported(torch.device("cpu"), torch.float32)
+        assert module.GROUPED_MM_SUPPORT == {}
+    finally:
+        module.GROUPED_MM_SUPPORT.update(saved)
+
+
 def test_unknown_method_is_named():
     x, w13, w2, weights, ids = problem(2)
     with pytest.raises(ValueError, match="unknown fused MoE method 'triton'"):

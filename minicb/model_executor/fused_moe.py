@@ -159,8 +159,11 @@ def auto_method(x: torch.Tensor) -> str:
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs here for this dtype (tried once on a tiny problem)."""
+    """Whether torch._grouped_mm runs here for this dtype (tried once on a tiny problem, never
+    inside a capture, where the probe itself could not run: the static path is taken then)."""
     key = (str(device), dtype)
+    if key not in GROUPED_MM_SUPPORT and capturing():
+        return False
     if key not in GROUPED_MM_SUPPORT:
         try:
             a = torch.ones(2, 8, device=device, dtype=dtype)
