@@ -32,6 +32,23 @@ def test_the_tier_evicts_least_recently_used_and_never_a_pinned_slot():
     tier.check_invariants()
 
 
+def test_a_slot_refilled_in_the_same_step_is_copied_into_once():
+    """More evictions in one step than the tier has slots: the slot is taken again, and only the
+    last block copied into it is (an index_copy_ with a repeated index keeps either)."""
+    bm = BlockManager(num_blocks=4, block_size=2, num_offload_blocks=1)
+    first = request("a", [1, 2, 3, 4, 5])
+    bm.allocate(first, 5)
+    first.num_computed_tokens = 5
+    bm.cache_full_blocks(first)
+    table = list(bm.block_tables["a"])
+    bm.free("a")
+    bm.allocate(request("b", [9, 8, 7, 6, 5, 4, 3, 2]), 8)  # evicts both cached blocks
+    offloads, _ = bm.take_transfers()
+    (kept,) = bm.tier.lru  # the hash the one slot holds, and the one copy into it
+    assert offloads == [(table[first.block_hashes.index(kept)], 0)]
+    bm.check_invariants()
+
+
 def request(rid, tokens):
     return Request(rid, tokens, SamplingParams(max_tokens=4))
 

@@ -58,11 +58,14 @@ class CpuBlockTier:
         return slot
 
     def _evict(self) -> int | None:
-        """Free the least recently used slot that no load reads this step."""
+        """Free the least recently used slot that no load reads this step. If this step was to copy
+        a block into it, that copy is dropped: one slot, one copy (two copies into one index of
+        a single index_copy_ leave either, nondeterministically on a GPU)."""
         for block_hash, slot in self.lru.items():
             if slot not in self.pinned:
                 del self.lru[block_hash]
                 self.slot_key[slot] = None
+                self.offloads = [(b, s) for b, s in self.offloads if s != slot]
                 return slot
         return None
 

@@ -184,10 +184,12 @@ class KVCache:
 
     def __repr__(self) -> str:
         mib = self.num_bytes / 2**20
+        # multi-head latent attention: the latent is its own value
+        v_width = "" if self.v_head_dim == self.head_dim else f" (values {self.v_head_dim})"
         return (
             f"KVCache(layers={self.num_layers}, blocks={self.num_blocks} + 1 sink, "
             f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, dtype={str(self.cache_dtype).removeprefix('torch.')}, "
+            f"head_dim={self.head_dim}{v_width}, dtype={str(self.cache_dtype).removeprefix('torch.')}, "
             f"device={self.device}, {mib:.1f} MiB, cpu_blocks={self.num_cpu_blocks}, "
             f"offload_blocks={self.num_offload_blocks})"
         )
