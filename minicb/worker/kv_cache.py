@@ -189,7 +189,8 @@ class KVCache:
         return (
             f"KVCache(layers={self.num_layers}, blocks={self.num_blocks} + 1 sink, "
             f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}{v_width}, dtype={str(self.cache_dtype).removeprefix('torch.')}, "
+            f"head_dim={self.head_dim}{v_width}, "
+            f"dtype={str(self.cache_dtype).removeprefix('torch.')}, "
             f"device={self.device}, {mib:.1f} MiB, cpu_blocks={self.num_cpu_blocks}, "
             f"offload_blocks={self.num_offload_blocks})"
         )
