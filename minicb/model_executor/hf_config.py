@@ -53,7 +53,7 @@ class MlaSpec:
 
 def mla_spec_of(hf_config) -> MlaSpec | None:
     """The latent attention of a DeepSeek-V3-family config, or None for any other model."""
-    if hf_config.model_type != "deepseek_v3":
+    if getattr(hf_config, "model_type", None) != "deepseek_v3":  # (a bare namespace: no MLA)
         return None
     scale = (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim) ** -0.5
     rope = getattr(hf_config, "rope_parameters", None) or {}
