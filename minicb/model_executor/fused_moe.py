@@ -111,9 +111,12 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
     return order, flat[order], tokens_per_expert(topk_ids, num_experts)
 
 
-def grouped_linear(x_sorted, w, expert_of_row, counts, method: str = "auto") -> torch.Tensor:
+def grouped_linear(
+    x_sorted, w, expert_of_row, counts, method: str = "auto", capacity: int | None = None
+) -> torch.Tensor:
     """y[i] = x_sorted[i] @ w[expert_of_row[i]]^T for rows already sorted by expert. x_sorted:
-    (rows, in); w: (E, out, in); counts: (E,) rows per expert. -> (rows, out)."""
+    (rows, in); w: (E, out, in); counts: (E,) rows per expert. -> (rows, out). `capacity`: the
+    most rows one expert can have ("padded" sizes every expert to it; default: all the rows)."""
     if method == "auto":
         method = auto_method(x_sorted)
     if method == "grouped_mm":
@@ -129,7 +132,7 @@ def grouped_linear(x_sorted, w, expert_of_row, counts, method: str = "auto") -> 
         return out
     if method == "padded":  # static shapes: every expert gets `capacity` rows, most of them zero
         rows, num_experts = x_sorted.shape[0], w.shape[0]
-        capacity = rows  # at least num_tokens, the most one expert can get
+        capacity = rows if capacity is None else capacity
         starts = counts.cumsum(0) - counts  # (E,): the first row of each expert's run
         rank = torch.arange(rows, device=x_sorted.device) - starts[expert_of_row]
         padded = x_sorted.new_zeros(num_experts, capacity, x_sorted.shape[1])
@@ -145,8 +148,10 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, act=F.silu, method: str = "aut
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     order, expert_of_row, counts = sort_by_expert(topk_ids, num_experts)
     x_sorted = x[order // top_k]  # (num_tokens * top_k, hidden): each token once per choice
-    h = swiglu(grouped_linear(x_sorted, w13, expert_of_row, counts, method), act)
-    y_sorted = grouped_linear(h, w2, expert_of_row, counts, method)  # (rows, hidden)
+    # a token picks an expert at most once: no expert gets more than num_tokens rows
+    runs = (expert_of_row, counts, method, x.shape[0])
+    h = swiglu(grouped_linear(x_sorted, w13, *runs), act)
+    y_sorted = grouped_linear(h, w2, *runs)  # (rows, hidden)
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted  # back to (token, choice) order
     return combine(y, topk_weights, x.dtype)
