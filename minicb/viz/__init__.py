@@ -16,6 +16,10 @@ Time runs left to right in steps everywhere, and a request keeps its colour in e
             messages on the pipe between them (no trace: a diagram of minicb/serve/engine_core.py)
   timeline  engine_loop_timeline: the host's and the device's work step by step in time, from each
             step's StepTimes (synchronous steps against async scheduling)
+  moe       experts_touched (measured against E(1 - (1 - k/E)^B)), moe_roofline (weight bytes and
+            arithmetic intensity of a decode step, dense against MoE), expert_load_map (experts x
+            steps), expert_step / expert_step_through (one step's tokens per expert and per rank),
+            rank_load (tokens per rank per step, max / mean, before and after rebalancing)
   widgets   step_through: a slider over the steps (ipywidgets), or the static figure headless
   figures   FIGURES, the registry behind `python -m minicb figures` (imported on its own, not here;
             notebook 02's figures live in figures_blocks)
@@ -28,6 +32,14 @@ The package imports no torch: it draws traces from the simulator as well as from
 from ..trace import Trace
 from .blocks import EVENTS, BlockView, block_grid, block_views, memory_map
 from .charts import bars, curves, latency_distributions, request_timeline
+from .moe import (
+    expert_load_map,
+    expert_step,
+    expert_step_through,
+    experts_touched,
+    moe_roofline,
+    rank_load,
+)
 from .processes import engine_core_processes
 from .sampling import KINDS, block_kinds, count_kinds, fork_map
 from .slots import compare_slot_occupancy, slot_occupancy, utilization_curves
@@ -58,4 +70,10 @@ __all__ = [
     "fork_map",
     "engine_core_processes",
     "engine_loop_timeline",
+    "experts_touched",
+    "moe_roofline",
+    "expert_load_map",
+    "expert_step",
+    "expert_step_through",
+    "rank_load",
 ]
