@@ -7,29 +7,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minicb import LLM, SamplingParams
+# tensor parallelism's workload: chunked prompts, mixed steps, preemption, seeded samples
+from test_tensor_parallel import PARAMS, PROMPTS, TIGHT
+
+from minicb import LLM
 from minicb.model_executor.loader import load_model, make_tiny_model, save_tiny_model
 from minicb.model_executor.tiny_models import tiny_config
 from minicb.model_executor.weights import per_expert_names
 from minicb.worker.expert_parallel import token_shares
 from minicb.worker.parallel import check_tensor_parallel, shard_config, shard_state_dict
-
-PROMPTS = [
-    [5, 9, 2, 7, 1, 3, 8, 4, 6, 10, 11, 12, 13, 3, 5],
-    [7] * 21,
-    [9, 8, 1],
-    [2, 4, 6, 8, 10, 12, 14, 16, 18],
-]
-PARAMS = [
-    SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
-    SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=9, temperature=1.0, seed=3, ignore_eos=True),
-]
-# 14 blocks of 4 tokens and 8 tokens a step: chunked prompts, mixed steps, preemption
-TIGHT = dict(
-    dtype="float64", block_size=4, num_blocks=14, max_num_batched_tokens=8, max_model_len=64
-)
 
 
 def test_token_shares_split_like_tensor_split():

@@ -36,11 +36,8 @@ NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(path, float64 LoadedModel, transformers' greedy tokens computed on the GPU)."""
-    path = save_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=1)
-    hf = make_tiny_model("llama", seed=1, dtype=torch.float64).cuda()
+def cuda_references(hf):
+    """Transformers' greedy tokens for every prompt, each run alone, on the GPU."""
     refs = []
     with torch.no_grad():
         for p, n in zip(PROMPTS, MAX_TOKENS):
@@ -53,6 +50,15 @@ def tiny(tmp_path_factory):
                 eos_token_id=None,
             )
             refs.append(out[0, len(p) :].tolist())
+    return refs
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, float64 LoadedModel, transformers' greedy tokens computed on the GPU)."""
+    path = save_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=1)
+    hf = make_tiny_model("llama", seed=1, dtype=torch.float64).cuda()
+    refs = cuda_references(hf)
     return path, load_model(path, dtype=torch.float64), refs
 
 
@@ -243,18 +249,7 @@ def test_moe_real_graphs_match_eager_and_transformers(tmp_path, arch):
     run the padded path and eager steps the segment loop; both give transformers' tokens."""
     path = save_tiny_model(tmp_path, arch=arch, seed=1)
     hf = make_tiny_model(arch, seed=1, dtype=torch.float64).cuda()
-    refs = []
-    with torch.no_grad():
-        for p, n in zip(PROMPTS, MAX_TOKENS):
-            out = hf.generate(
-                torch.tensor([p], device="cuda"),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-            refs.append(out[0, len(p) :].tolist())
+    refs = cuda_references(hf)
     loaded = load_model(path, dtype=torch.float64)
     eager, _ = generate(loaded, device="cuda", use_cuda_graph=False, block_size=16, num_blocks=64)
     tokens, engine = generate(
