@@ -34,7 +34,7 @@ class StepTimes:
     step's device work, and its sampling waits until this step's outputs are processed."""
 
     schedule_start: float = 0.0
-    launch: float = 0.0  # the inputs are built and handed to the device (its worker thread)
+    launch: float = 0.0  # the inputs are built and handed to the executor (worker/executor.py)
     device_start: float = 0.0  # the forward pass begins (async: once the step before is done)
     forward_end: float = 0.0  # the logits are ready
     sample_start: float = 0.0  # sampling begins (async: after the step before was processed)
@@ -42,6 +42,9 @@ class StepTimes:
     outputs_start: float = 0.0  # update() and output processing begin
     outputs_end: float = 0.0
     detokenize_s: float = 0.0  # of outputs: text, stop strings and logprobs per token
+    # all of the step's work is queued, on either thread (on CUDA the kernels are launched and
+    # the tokens' copy to the host started; on a CPU the work is done by then)
+    queued: float = 0.0
 
     @property
     def host_before_s(self) -> float:

@@ -8,6 +8,7 @@ where the GPU time of a whole eager step goes (torch.profiler), for each decode 
 """
 
 import random
+import statistics
 import time
 
 import torch
@@ -200,11 +201,17 @@ def device_idle(
     prompt_len: int = 128,
     steps: int = 30,
     loaded=None,
+    launch: str = "inline",
     **config,
 ) -> dict:
     """The GPU's idle share between decode steps at `batch` rows (issue 32's target: under 5% with
     async scheduling): `steps` engine steps of `batch` decoding requests, profiled (torch.profiler);
-    idle = the window from the first kernel to the last minus the time some kernel runs."""
+    idle = the window from the first kernel to the last minus the time some kernel runs.
+    `launch`: with async scheduling, "inline" launches the steps on the engine's thread (the
+    default on CUDA), "thread" on the device thread (as on a CPU; executor.py). Besides the idle
+    share, the host's side from the steps' StepTimes: the medians of the work before the launch,
+    the launch, the work after, and how often a step's work was still being queued when the step
+    before had already finished on the device (`late_launches`), which leaves the device idle."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -226,12 +233,16 @@ def device_idle(
     ):
         eng.step()  # prefill everyone, then two decodes: the batch is all decodes from here
     torch.cuda.synchronize()
+    if eng.batch_queue is not None:
+        eng.batch_queue.executor.inline = launch == "inline"
+    first = len(eng.step_times)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             eng.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    times = sorted(list(eng.step_times)[first:], key=lambda t: t.device_start)
     kernels = [
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
@@ -251,5 +262,23 @@ def device_idle(
         "steps": steps,
         "ms_per_step": 1e3 * wall / steps,
         "device_idle_share": 1 - busy / window,
+        "launch": launch if config.get("async_scheduling") else None,
+        **host_side(times),
         "device": torch.cuda.get_device_name(),
+    }
+
+
+def host_side(times) -> dict:
+    """Medians (ms) of a run's steps' host parts, and its late launches: steps whose work was
+    still being queued when the step before's tokens had reached the host."""
+    ms = lambda xs: round(1e3 * statistics.median(xs), 3) if xs else None
+    lags = [b.queued - a.device_end for a, b in zip(times, times[1:])]
+    late = [lag for lag in lags if lag > 0]
+    return {
+        "host_before_ms": ms([t.launch - t.schedule_start for t in times]),
+        "launch_ms": ms([t.queued - t.device_start for t in times]),
+        "host_after_ms": ms([t.outputs_end - t.outputs_start for t in times]),
+        "tokens_to_host_ms": ms([t.device_end - t.queued for t in times]),
+        "late_launches": f"{len(late)}/{len(lags)}",
+        "late_by_ms": ms(late),
     }

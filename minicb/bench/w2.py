@@ -279,8 +279,13 @@ def main(argv=None) -> None:
             emit(profile_decode_step(loaded=loaded, dtype=args.dtype, attention_backend=backend))
         return
     if args.workload == "idle":  # issue 32: under 5% of the step with async scheduling
-        for async_scheduling in (False, True):
-            emit(device_idle(loaded=loaded, dtype=args.dtype, async_scheduling=async_scheduling))
+        # sync, async launched on the engine's thread, on the device thread, inline again
+        runs = ((False, "inline"), (True, "inline"), (True, "thread"), (True, "inline"))
+        for async_scheduling, launch in runs:
+            row = device_idle(
+                loaded=loaded, dtype=args.dtype, async_scheduling=async_scheduling, launch=launch
+            )
+            emit(row)
         return
     if args.workload == "latency":
         for row in decode_latency_by_bucket(dtype=args.dtype, loaded=loaded):

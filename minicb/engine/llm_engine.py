@@ -8,6 +8,7 @@
 Everything a user sees (generate, stream, the HTTP server) is this loop called again and again.
 """
 
+import collections
 import gc
 import logging
 import time
@@ -62,6 +63,8 @@ class Engine:
         self.runner = worker.runner
         self.scheduler = scheduler_for(config)
         self.trace = Trace(config.max_num_seqs, config.num_blocks, config.block_size)
+        # the last steps' StepTimes, kept whether or not the trace records (benchmarks read them)
+        self.step_times = collections.deque(maxlen=1024)
         self.input_processor = InputProcessor(
             config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.model_name
         )
@@ -191,7 +194,7 @@ class Engine:
             bucket, width = self.runner.last_graph_bucket, self.runner.last_graph_width
         except Exception as e:  # the forward pass itself failed: its rows cannot be told apart
             result = self._failed_step(out, e)
-        times.device_end = time.perf_counter()
+        times.queued = times.device_end = time.perf_counter()
         return self._process(out, result, times, bucket, width)
 
     def drain(self) -> list[RequestOutput]:
@@ -251,6 +254,7 @@ class Engine:
             propose_drafts(self.proposer, touched, finished)
         outputs = self.output_processor.make_outputs(touched, finished)
         times.outputs_end = time.perf_counter()
+        self.step_times.append(times)
         if self.config.record_trace:
             self.trace.record(
                 self.scheduler,
