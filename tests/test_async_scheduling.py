@@ -96,13 +96,21 @@ def mixed_requests() -> list:
     ],
     ids=["roomy", "recompute", "swap", "priority", "tiny_budget", "graphs"],
 )
-def test_async_gives_what_sync_gives(loaded, config):
+@pytest.mark.parametrize("launch", ["thread", "inline"])
+def test_async_gives_what_sync_gives(loaded, config, launch):
+    """`launch`: steps launched on the device thread (a CPU's way), or on the engine's own thread
+    as on CUDA, where steps whose sampling waits for processing still take the device thread: the
+    mixed requests give both kinds, so the two paths must keep the steps in order."""
     sync = run(engine(loaded, **config), mixed_requests())
     eng = engine(loaded, async_scheduling=True, **config)
+    executor = eng.batch_queue.executor
+    executor.inline = launch == "inline"
     got = run(eng, mixed_requests())
     assert summary(got) == summary(sync)
-    fed = eng.batch_queue.executor.num_placeholders
+    fed = executor.num_placeholders
     assert fed > 0, "no step was fed a token from the step before"
+    if executor.inline:
+        assert 0 < executor.num_inline < len(eng.trace), "not both ways: the test did not test it"
     if config.get("use_cuda_graph"):
         assert any(s.graph_bucket for s in eng.trace), "no step replayed a graph"
     if config.get("num_blocks", 256) <= 40:

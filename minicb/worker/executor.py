@@ -1,6 +1,11 @@
-"""StepExecutor: runs the model runner's steps on a thread of their own, one after another, and
-hands back futures (vLLM V1's `execute_model(scheduler_output, non_block=True)`), so that the
-engine's thread schedules the next step and processes the last one's outputs meanwhile.
+"""StepExecutor: launches the model runner's steps, one after another, and hands back futures (vLLM
+V1's `execute_model(scheduler_output, non_block=True)`), so that the engine's thread schedules the
+next step and processes the last one's outputs meanwhile.
+
+Where a step is launched: on CUDA, on the engine's own thread (`inline`, vLLM V1's way): a launch
+only queues kernels and the copies of the inputs, so it returns while the device works. On a CPU
+the forward pass is the device's work itself, so it runs on a thread of its own, the device thread;
+so does, on CUDA too, a step whose sampling must wait for the step before's processing (below).
 
 The device thread plays the GPU's stream. Steps run on it in the order they were launched, so the
 K/V that step N writes is in the cache when step N+1 reads it, and blocks freed when N's outputs are
@@ -42,11 +47,14 @@ def fill_placeholders(out: SchedulerOutput, h: HostInputs, prev, device):
     placeholder of a request missing from `prev` (its step or its sampling failed, so it fails too)
     is fed token 0."""
     positions, sources = [], []
+    ids, index = h.input_ids, {} if prev is None else prev[1]
     for row, start in zip(out.scheduled, h.row_starts):
+        if PLACEHOLDER_TOKEN_ID not in ids[start : start + row.num_tokens]:
+            continue
+        i = index.get(row.request.request_id)
         for j in range(start, start + row.num_tokens):
-            if h.input_ids[j] == PLACEHOLDER_TOKEN_ID:
-                h.input_ids[j] = 0  # a valid id until the device writes the sampled one
-                i = None if prev is None else prev[1].get(row.request.request_id)
+            if ids[j] == PLACEHOLDER_TOKEN_ID:
+                ids[j] = 0  # a valid id until the device writes the sampled one
                 if i is not None:
                     positions.append(j)
                     sources.append(i)
@@ -86,6 +94,13 @@ class StepExecutor:
         self.device = ThreadPoolExecutor(1, thread_name_prefix="minicb-device")
         self.output = ThreadPoolExecutor(1, thread_name_prefix="minicb-output")
         self.num_placeholders = 0  # input tokens fed from the step before's sampled tokens
+        # On the H100 (figures/gpu_h100_2026-11-27.jsonl, calls 5-7) a batch-256 decode step took
+        # 3.4-4.8 ms to launch on the engine's thread and 6-10 ms on the device thread, whose Python
+        # takes turns on the GIL with the engine's; the device's idle share between steps moved
+        # with the host more than with this choice (inline 13-44%, thread 14-36%).
+        self.inline = runner.device.type == "cuda" and runner.tp is None
+        self.threaded = None  # the device thread's last job, which an inline launch must follow
+        self.num_inline = 0  # steps launched on the caller's thread
 
     def execute_model(
         self,
@@ -97,7 +112,14 @@ class StepExecutor:
         """Launch one step; its future gives (result, graph bucket, graph width) once its sampled
         tokens are on the host."""
         done = Future()
-        self.device.submit(self._run, out, h, times, wait_before_sampling, done)
+        if self.inline and wait_before_sampling is None:
+            if self.threaded is not None:  # steps launch in order: the thread's comes first
+                self.threaded.result()
+                self.threaded = None
+            self.num_inline += 1
+            self._run(out, h, times, None, done)
+        else:
+            self.threaded = self.device.submit(self._run, out, h, times, wait_before_sampling, done)
         return done
 
     def _run(self, out, h, times: StepTimes, wait: Event | None, done: Future) -> None:
@@ -121,6 +143,7 @@ class StepExecutor:
             return
         graph = self.runner.last_graph_bucket, self.runner.last_graph_width
         pending = AsyncModelRunnerOutput(result)
+        times.queued = time.perf_counter()
         if pending.copied is None:  # the tokens are on the host already (a CPU): no thread hop
             self._finish(pending, graph, times, done)
         else:
