@@ -38,6 +38,22 @@ def test_allocate_grows_one_block_only_when_the_last_is_full():
     bm.allocate(a, 9)  # token 9 opens block 3
     assert bm.block_tables["a"] == [0, 1, 2]
     assert bm.ref_counts[:4] == [1, 1, 1, 0]
+
+
+def test_covers_is_the_decode_fast_path_and_never_skips_a_block_or_a_copy():
+    """The scheduler skips can_allocate and allocate when covers() says the table already holds
+    the step's tokens: it must say no when a block is missing or a shared block needs its copy."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_req("a", range(6))
+    assert not bm.covers("a", 6, 0) and not bm.covers("a", 0, 0)  # no table yet: allocate makes it
+    bm.allocate(a, 6)
+    assert bm.covers("a", 8, 6) and not bm.covers("a", 9, 8)  # block 2 ends at token 8
+    computed(bm, a, 6)
+    bm.fork("a", "b")  # b shares the partial block: its next write must copy it first
+    assert not bm.covers("b", 7, 6) and not bm.covers("a", 7, 6)
+    free = bm.num_free_blocks
+    bm.allocate(a, 7)  # a's copy is made by allocate, which covers() must not have skipped
+    assert bm.take_copies() and bm.num_free_blocks == free - 1 and bm.covers("a", 7, 6)
     assert (bm.num_used_blocks, bm.num_free_blocks) == (3, 5)
     bm.check_invariants()
 

@@ -187,6 +187,16 @@ class BlockManager:
             num_computed % self.block_size != 0 and i < len(table) and self.ref_counts[table[i]] > 1
         )
 
+    def covers(self, rid: str, num_tokens: int, num_computed: int) -> bool:
+        """Does `rid`'s table hold `num_tokens` tokens already, no copy-on-write due? (Most decode
+        steps: the scheduler asks this before can_allocate and allocate, which cost more.)"""
+        table = self.block_tables.get(rid)  # none yet: allocate makes it, even for no tokens
+        return (
+            table is not None
+            and len(table) * self.block_size >= num_tokens
+            and not self.must_copy(rid, num_computed)
+        )
+
     def num_blocks_needed(
         self, rid: str, num_tokens: int, computed_blocks: list[int] = (), num_computed: int = 0
     ) -> int:
@@ -218,6 +228,10 @@ class BlockManager:
         If the next write lands in a block shared with a sibling sample, that block is copied
         first."""
         rid = req.request_id
+        if not (computed_blocks or offloaded) and self.covers(
+            rid, num_tokens, req.num_computed_tokens
+        ):
+            return  # nothing to add or copy
         if not self.can_allocate(
             rid, num_tokens, computed_blocks, req.num_computed_tokens
         ):  # refuse first

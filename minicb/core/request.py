@@ -29,7 +29,17 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        # the members themselves, compared by identity: asked four times per request per step,
+        # `self.value` (an enum descriptor in Python) was a visible part of a batch-256 step
+        return self in _FINISHED
+
+
+_FINISHED = (
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+)
 
 
 class Request:

@@ -265,27 +265,29 @@ class Scheduler:
             cannot_schedule = req.status != RequestStatus.RUNNING or num_new == 0
             if cannot_schedule:  # preempted earlier, or it must wait for budget
                 continue
-            while not bm.can_allocate(
-                req.request_id,
-                req.num_computed_tokens + num_new,
-                num_computed=req.num_computed_tokens,
-            ):  # a copy-on-write counts too
+            rid, done = req.request_id, req.num_computed_tokens
+            has_blocks = bm.covers(rid, done + num_new, done)  # most decodes need no new block
+            while not has_blocks and not bm.can_allocate(rid, done + num_new, num_computed=done):
                 victim = self._lowest_ranked_running()
-                taken_back = rows.pop(victim.request_id, None)
-                if taken_back is not None:
-                    budget += taken_back.num_tokens
-                if taken_back is not None and self.timer is not None:
-                    self.timer.take_back(taken_back)
+                budget += self._take_back(rows, victim)
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                bm.allocate(req, req.num_computed_tokens + num_new)
+                bm.allocate(req, done + num_new)
                 rows[req.request_id] = self._row(req, num_new)
                 if req.admitted_step is None:  # a static batch member given its first tokens
                     self._mark_admitted(req, out)
                 budget -= num_new
         return list(rows.values()), budget
+
+    def _take_back(self, rows: dict, victim: Request) -> int:
+        """Undo the row a preempted request got earlier in this step, if any: its tokens return to
+        the budget."""
+        row = rows.pop(victim.request_id, None)
+        if row is not None and self.timer is not None:
+            self.timer.take_back(row)
+        return 0 if row is None else row.num_tokens
 
     def _schedule_swapped(
         self, out: SchedulerOutput, budget: int
