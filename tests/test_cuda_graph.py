@@ -379,8 +379,12 @@ def test_uniform_verify_batches_replay_their_own_graphs(loaded, backend):
 
 # ---------------------------------------------------------------------------------- parity
 # llama: plain GQA; qwen3: q/k norms and head_dim != hidden_size / num_heads (qwen2 adds nothing
-# here); the two mixtures of experts run their fused MoE's static ("padded") path inside a graph
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3"])
+# here); the two mixtures of experts run their fused MoE's static ("padded") path inside a graph;
+# mistral_window masks all but the last 8 positions inside a graph's decode attention
+@pytest.fixture(
+    scope="module",
+    params=["llama", "qwen3", "mistral_window", "qwen3_moe", "mixtral", "deepseek_v3"],
+)
 def arch_model(request, tmp_path_factory):
     """(LoadedModel, transformers' greedy tokens for every prompt, each run alone)."""
     path = save_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, seed=1)

@@ -14,7 +14,17 @@ from reference import greedy_reference
 from minicb import LLM, SamplingParams
 from minicb.model_executor.loader import load_model, make_tiny_model, save_tiny_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "llama3", "qwen3_moe", "mixtral", "deepseek_v3"]
+ARCHS = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "mistral_window",
+    "llama3",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+]
 rng = random.Random(0)
 # Very different prompt lengths (1..57) and output lengths (1..28); two prompts share a prefix.
 SHARED = [rng.randrange(2, 128) for _ in range(21)]

@@ -30,6 +30,9 @@ TINY_ARCHS = {  # arch -> (HF config class, fields that give the variant its twi
         ),
     ),
     "mistral": ("MistralConfig", dict(sliding_window=None)),  # the window would exceed 256 anyway
+    # every layer windowed, the window shorter than most prompts: positions further back than 8
+    # tokens are masked (minicb keeps their blocks: issue 39's cache groups would free them)
+    "mistral_window": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", dict()),  # q/k/v projections have biases
     "qwen3": ("Qwen3Config", dict(head_dim=32)),  # q/k RMSNorm, head_dim != hidden / heads
     # mixtures of experts (fused_moe.py): 8 experts, top 2, probabilities used as they come
