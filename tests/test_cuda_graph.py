@@ -380,10 +380,19 @@ def test_uniform_verify_batches_replay_their_own_graphs(loaded, backend):
 # ---------------------------------------------------------------------------------- parity
 # llama: plain GQA; qwen3: q/k norms and head_dim != hidden_size / num_heads (qwen2 adds nothing
 # here); the two mixtures of experts run their fused MoE's static ("padded") path inside a graph;
-# mistral_window masks all but the last 8 positions inside a graph's decode attention
+# mistral_window masks all but the last 8 positions inside a graph's decode attention, and
+# qwen2_hybrid in its second layer only
 @pytest.fixture(
     scope="module",
-    params=["llama", "qwen3", "mistral_window", "qwen3_moe", "mixtral", "deepseek_v3"],
+    params=[
+        "llama",
+        "qwen3",
+        "mistral_window",
+        "qwen2_hybrid",
+        "qwen3_moe",
+        "mixtral",
+        "deepseek_v3",
+    ],
 )
 def arch_model(request, tmp_path_factory):
     """(LoadedModel, transformers' greedy tokens for every prompt, each run alone)."""

@@ -20,6 +20,7 @@ ARCHS = [
     "qwen3",
     "mistral",
     "mistral_window",
+    "qwen2_hybrid",
     "llama3",
     "qwen3_moe",
     "mixtral",

@@ -33,6 +33,12 @@ TINY_ARCHS = {  # arch -> (HF config class, fields that give the variant its twi
     # every layer windowed, the window shorter than most prompts: positions further back than 8
     # tokens are masked (minicb keeps their blocks: issue 39's cache groups would free them)
     "mistral_window": ("MistralConfig", dict(sliding_window=8)),
+    # a hybrid: layer 0 full attention, layer 1 a window of 8 (Qwen2's layers from
+    # max_window_layers on are windowed), the 1:1 alternation of gpt-oss in two layers
+    "qwen2_hybrid": (
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    ),
     "qwen2": ("Qwen2Config", dict()),  # q/k/v projections have biases
     "qwen3": ("Qwen3Config", dict(head_dim=32)),  # q/k RMSNorm, head_dim != hidden / heads
     # mixtures of experts (fused_moe.py): 8 experts, top 2, probabilities used as they come
