@@ -189,7 +189,7 @@ class BlockManager:
 
     def covers(self, rid: str, num_tokens: int, num_computed: int) -> bool:
         """Does `rid`'s table hold `num_tokens` tokens already, no copy-on-write due? (Most decode
-        steps: the scheduler asks this before can_allocate and allocate, which cost more.)"""
+        steps: the scheduler asks this first and then skips can_allocate and allocate.)"""
         table = self.block_tables.get(rid)  # none yet: allocate makes it, even for no tokens
         return (
             table is not None
@@ -228,10 +228,6 @@ class BlockManager:
         If the next write lands in a block shared with a sibling sample, that block is copied
         first."""
         rid = req.request_id
-        if not (computed_blocks or offloaded) and self.covers(
-            rid, num_tokens, req.num_computed_tokens
-        ):
-            return  # nothing to add or copy
         if not self.can_allocate(
             rid, num_tokens, computed_blocks, req.num_computed_tokens
         ):  # refuse first

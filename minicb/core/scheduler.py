@@ -274,7 +274,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                bm.allocate(req, done + num_new)
+                if not has_blocks:
+                    bm.allocate(req, done + num_new)
                 rows[req.request_id] = self._row(req, num_new)
                 if req.admitted_step is None:  # a static batch member given its first tokens
                     self._mark_admitted(req, out)
