@@ -9,6 +9,7 @@ from test_ragged_attention import ragged_batch
 
 from minicb.config import EngineConfig
 from minicb.model_executor.attention import decode_attention
+from minicb.model_executor.hf_config import sliding_window_of
 from minicb.model_executor.paged_flash import (
     choose_attention_backend,
     combine_pairs,
@@ -92,8 +93,18 @@ def test_backend_choice():
 def test_engine_with_flash_pages_matches_transformers(arch_model, name):  # noqa: F811
     """The whole engine, eager and through (emulated) graphs, decoding with pages in float64: the
     same tokens as transformers' generate. The pairs are built once a step eagerly, and inside the
-    graph on replay."""
+    graph on replay. A windowed model is turned away (the pairs hold no window) and 'auto' runs
+    the gather, with the same tokens."""
     loaded, refs = arch_model
+    hf = loaded.hf_config
+    if any(sliding_window_of(hf, i) for i in range(hf.num_hidden_layers)):
+        with pytest.raises(ValueError, match="sliding window"):
+            generate(
+                loaded, use_cuda_graph=False, attention_backend="flash_pages", **GRAPH_CONFIGS[name]
+            )
+        tokens, engine = generate(loaded, use_cuda_graph=False, **GRAPH_CONFIGS[name])
+        assert engine.runner.attention_backend == "gather" and tokens == refs
+        return
     for graphs in (False, True):
         tokens, engine = generate(
             loaded, use_cuda_graph=graphs, attention_backend="flash_pages", **GRAPH_CONFIGS[name]
