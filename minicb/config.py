@@ -58,6 +58,12 @@ class EngineConfig:
     kv_offloading_backend: str | None = None
     num_offload_blocks: int | None = None
     enable_prefix_caching: bool = True  # reuse full blocks whose token prefix was computed before
+    # KV cache groups (vLLM V1's hybrid KV cache manager, core/kv_cache_groups.py): a table per
+    # group of layers that cache alike, a sliding window's out-of-window blocks freed. None: filled
+    # from the model (one group for every layer when they all cache alike, or in the simulator).
+    # disable_hybrid_kv_cache_manager (vLLM's flag): one group, every block kept, the window masked
+    kv_cache_groups: tuple | None = None
+    disable_hybrid_kv_cache_manager: bool = False
     # prompt + output limit; None: the model's (or unlimited in sim)
     max_model_len: int | None = None
 

@@ -11,13 +11,18 @@ Deterministic: derandomized, no example database.
 """
 
 import dataclasses
-import math
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from minicb.config import EngineConfig
+from minicb.core.kv_cache_groups import (
+    KVCacheGroupSpec,
+    blocks_per_request,
+    max_live_blocks,
+    num_skipped_blocks,
+)
 from minicb.core.request import Request, RequestStatus
 from minicb.core.scheduler import Scheduler
 from minicb.sampling_params import SamplingParams
@@ -47,13 +52,14 @@ class ShadowKV:
             self.device[dev] = list(self.cpu[cpu])
         for slot, dev in out.blocks_to_load:
             self.device[dev] = list(self.tier[slot])
-        for row in out.scheduled:
-            for p in range(row.start, row.start + row.num_tokens):
-                self.device[row.block_table[p // self.bs]][p % self.bs] = row.request.token_ids[p]
+        for row in out.scheduled:  # into every KV cache group's block (a null block: IndexError)
+            for table in row.block_ids or [row.block_table]:
+                for p in range(row.start, row.start + row.num_tokens):
+                    self.device[table[p // self.bs]][p % self.bs] = row.request.token_ids[p]
 
-    def read(self, table, n, where):
+    def read(self, table, n, where, first_block=0):
         pool = self.device if where == "device" else self.cpu
-        return [pool[table[p // self.bs]][p % self.bs] for p in range(n)]
+        return [pool[table[p // self.bs]][p % self.bs] for p in range(first_block * self.bs, n)]
 
 
 CONFIG_PARAMS = dict(
@@ -71,6 +77,8 @@ CONFIG_PARAMS = dict(
     num_cpu_blocks=st.one_of(st.none(), st.integers(0, 12)),
     max_model_len=st.sampled_from([None, 40]),
     num_offload_blocks=st.sampled_from([0, 0, 1, 3, 12]),  # the prefix cache's CPU tier
+    # KV cache groups: one layer each, full attention (None) or a window (the tier takes one group)
+    windows=st.sampled_from([(None,), (None, 3), (5,), (None, 1, 2), (None, 8), (2, None)]),
 )
 # (prefix index, prefix cut, suffix length, max_tokens, priority)
 REQUEST_SPEC = st.tuples(
@@ -101,8 +109,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_cpu_blocks,
         max_model_len,
         num_offload_blocks=0,
+        windows=(None,),
     ):
         num_blocks = -(-blocks_for_tokens // block_size)
+        if windows != (None,):  # the CPU tier keeps one full-attention group's blocks
+            num_offload_blocks = 0
+        groups = tuple(KVCacheGroupSpec((i,), w) for i, w in enumerate(windows))
         self.config = EngineConfig(
             block_size=block_size,
             num_blocks=num_blocks,
@@ -116,6 +128,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_cpu_blocks=num_cpu_blocks,
             max_model_len=max_model_len,
             num_offload_blocks=num_offload_blocks,
+            kv_cache_groups=groups,
         )
         self.sched = Scheduler(self.config)
         bm = self.sched.block_manager
@@ -153,7 +166,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             violated.append("empty")
         if c.max_model_len is not None and n + max_tokens > c.max_model_len:
             violated.append(f"max_model_len {c.max_model_len}")
-        if math.ceil((n + max_tokens - 1) / c.block_size) > c.num_blocks:
+        cached, chunk = n + max_tokens - 1, min(n + max_tokens - 1, c.max_num_batched_tokens)
+        if blocks_per_request(c.kv_cache_groups, cached, c.block_size, chunk) > c.num_blocks:
             violated.append(f"num_blocks={c.num_blocks}")
         if not c.enable_chunked_prefill and n > c.max_num_batched_tokens:
             violated.append(f"max_num_batched_tokens is {c.max_num_batched_tokens}")
@@ -301,8 +315,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         bm.check_invariants()
         # The same facts, checked here independently of check_invariants.
         owners = [0] * bm.num_blocks
-        for table in bm.block_tables.values():
-            for b in table:
+        for tables in bm.tables.values():
+            for b in (b for table in tables for b in table if b != bm.null_block):
                 owners[b] += 1
         assert owners == bm.ref_counts
         assert set(bm.free_queue) == {b for b in range(bm.num_blocks) if owners[b] == 0}
@@ -330,27 +344,39 @@ class SchedulerMachine(RuleBasedStateMachine):
         for req in s.waiting:
             assert req.slot is None and req.num_computed_tokens == 0
         # Contents: every computed token sits where the block table says, and prefix hits are right.
+        # In a window's group, from the first block the next query may see.
         for req in s.running:
-            table = bm.block_tables[req.request_id]
-            assert req.num_computed_tokens < req.num_tokens  # the newest token is never cached yet
-            assert (
-                self.kv.read(table, req.num_computed_tokens, "device")
-                == req.token_ids[: req.num_computed_tokens]
-            )
+            n = req.num_computed_tokens
+            assert n < req.num_tokens  # the newest token is never cached yet
+            for window, table in zip(bm.windows, bm.tables[req.request_id]):
+                first = sum(b == bm.null_block for b in table)
+                # nothing the next query may see is freed (blocks out of the window go when the
+                # request is next scheduled)
+                assert first <= num_skipped_blocks(window, n, c.block_size)
+                if window is not None:  # vLLM's bound, q at most the budget
+                    live = len(table) - first
+                    assert live <= max_live_blocks(window, c.max_num_batched_tokens, c.block_size)
+                assert (
+                    self.kv.read(table, n, "device", first)
+                    == req.token_ids[first * c.block_size : n]
+                )
         for req in s.swapped:
-            table = bm.cpu_block_tables[req.request_id]
-            assert (
-                self.kv.read(table, req.num_computed_tokens, "cpu")
-                == req.token_ids[: req.num_computed_tokens]
-            )
+            flat = iter(bm.cpu_block_tables[req.request_id])
+            for nulls in bm.swapped_nulls[req.request_id]:
+                table = [None if null else next(flat) for null in nulls]
+                first = sum(nulls)
+                assert (
+                    self.kv.read(table, req.num_computed_tokens, "cpu", first)
+                    == req.token_ids[first * c.block_size : req.num_computed_tokens]
+                )
         # Every cached block (used or free) still holds the tokens its hash names.
         named = {
             h: req.token_ids[i * c.block_size : (i + 1) * c.block_size]
             for req in self.all.values()
             for i, h in enumerate(req.block_hashes)
         }
-        for h, b in bm.cached.items():
-            assert self.kv.device[b] == named[h], (
+        for h, b in bm.cached.items():  # (group, hash) past group 0
+            assert self.kv.device[b] == named[h[1] if isinstance(h, tuple) else h], (
                 f"cached block {b} holds other tokens than its hash names"
             )
         if bm.tier is not None:  # and every block the CPU tier keeps, in its slot
@@ -517,11 +543,15 @@ def test_dense_workload_keeps_the_books(params, arrivals, pressure, aborts):
     if not arrivals:
         return
     bs = params["block_size"]
-    needs = [-(-(n + m - 1) // bs) for n, m in map(spec_tokens, (spec for _, spec in arrivals))]
-    num_blocks = max(max(needs), int(pressure * sum(needs)))
-    params = {**params, "blocks_for_tokens": num_blocks * bs, "max_model_len": None}
     if not params["chunked"]:  # whole prompts must fit one step
         params["budget"] = max(params["budget"], max(spec_tokens(spec)[0] for _, spec in arrivals))
+    groups = [KVCacheGroupSpec((i,), w) for i, w in enumerate(params["windows"])]
+    needs = [
+        blocks_per_request(groups, n + m - 1, bs, min(n + m - 1, params["budget"]))
+        for n, m in map(spec_tokens, (spec for _, spec in arrivals))
+    ]
+    num_blocks = max(max(needs), int(pressure * sum(needs)))
+    params = {**params, "blocks_for_tokens": num_blocks * bs, "max_model_len": None}
     m = SchedulerMachine()
     m.configure(**params)
     last_arrival = max(a for a, _ in arrivals)

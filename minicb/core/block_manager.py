@@ -23,11 +23,18 @@ keeps the books (which block goes where); the torch side (kv_cache.py) copies th
 A CPU tier for the prefix cache (num_offload_blocks > 0; kv_offload.py): a cached block that the
 allocator evicts is first copied to a host slot, and a prompt that misses on the device but finds
 the next blocks of its chain there has them copied back (`find_offloaded`, then `allocate`).
+
+KV cache groups (vLLM V1's hybrid KV cache manager; kv_cache_groups.py): with `windows` of several
+groups, a request has one table per group (`tables[rid]`, group 0's is `block_tables[rid]`), all of
+the same length and all drawn from this one pool. A sliding-window group's leading entries become
+NULL_BLOCK as its blocks fall out of the window (`remove_skipped`), and its prefix-cache hits need
+only the window's blocks. The null block is the sink (its id is num_blocks): nobody owns it.
 """
 
 from collections import OrderedDict
 
 from ..config import cdiv
+from .kv_cache_groups import num_skipped_blocks
 from .kv_offload import CpuBlockTier
 from .request import Request
 
@@ -57,8 +64,14 @@ class BlockManager:
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
         num_offload_blocks: int = 0,
+        windows: tuple[int | None, ...] = (None,),
     ):
+        if num_offload_blocks and tuple(windows) != (None,):
+            raise ValueError("the CPU tier keeps one full-attention KV cache group's blocks")
         self.num_blocks = num_blocks
+        # per KV cache group, its sliding window (None: full attention)
+        self.windows, self.slides = tuple(windows), any(w is not None for w in windows)
+        self.null_block = num_blocks  # vLLM's null block: the sink, owned by no request
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -70,13 +83,16 @@ class BlockManager:
         # What that hash stands for, (parent hash, tokens): a hit is trusted only if it matches, so
         # a hash collision costs a recomputation, never another prompt's K/V.
         self.block_key: list[tuple | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id holding that prefix block
-        self.block_tables: dict[str, list[int]] = {}  # request id -> physical block ids
+        # hash (group 0) or (group, hash) -> block id holding that prefix block
+        self.cached: dict = {}
+        self.block_tables: dict[str, list[int]] = {}  # request id -> physical block ids (group 0)
+        self.tables: dict[str, list[list[int]]] = {}  # request id -> one table per group
         self.num_hashed: dict[str, int] = {}  # request id -> leading blocks already registered
         # Swap space: CPU blocks have no prefix sharing, one owner each.
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.cpu_block_tables: dict[str, list[int]] = {}
+        self.swapped_nulls: dict[str, list[list[bool]]] = {}  # which entries were null, per group
         # (src, dst) device copies the runner must make
         self.pending_copies: list[tuple[int, int]] = []
         # the prefix cache's CPU tier, with this step's copies to it and from it
@@ -108,21 +124,51 @@ class BlockManager:
         """Extend the request's hash chain to cover its first `num_full_blocks` blocks."""
         return hash_chain(req.block_hashes, req.token_ids, self.block_size, num_full_blocks)
 
-    def find_cached_prefix(self, req: Request) -> list[int]:
+    def find_cached_prefix(self, req: Request) -> list:
         """Blocks already holding this request's leading tokens. At least one token is always left
         to compute (its logits are needed for the next sample), so the block holding the last
-        token is never taken from the cache and no write ever lands in a shared block."""
+        token is never taken from the cache and no write ever lands in a shared block. With several
+        KV cache groups, each entry is a tuple: the block in each group (NULL_BLOCK out of a
+        window)."""
         if not self._may_hit(req):
             return []
-        hits, num_full = [], (req.num_tokens - 1) // self.block_size
-        for i, h in enumerate(
-            self._hashes(req, num_full)[:num_full]
-        ):  # the chain may already run further
-            block = self.cached.get(h)
-            if block is None or self.block_key[block] != self._key(req, i):
-                break
-            hits.append(block)
-        return hits
+        num_full = (req.num_tokens - 1) // self.block_size
+        self._hashes(req, num_full)
+        n, groups = 0, range(len(self.windows))
+        full = [g for g in groups if self.windows[g] is None]
+        while n < num_full and all(self._hit(g, req, n) is not None for g in full):
+            n += 1  # full attention: left to right, to the first miss
+        shortened = self.slides
+        while shortened:  # a window: its blocks before the hit's end, right to left
+            shortened = False
+            for g in groups:
+                while (
+                    self.windows[g]
+                    and n
+                    and not all(self._hit(g, req, i) is not None for i in self._window(g, n))
+                ):
+                    n, shortened = n - 1, True
+        skip = [num_skipped_blocks(w, n * self.block_size, self.block_size) for w in self.windows]
+        hits = [
+            tuple(self._hit(g, req, i) if i >= skip[g] else self.null_block for g in groups)
+            for i in range(n)
+        ]
+        return [col[0] for col in hits] if len(groups) == 1 else hits
+
+    def _window(self, g: int, num_blocks: int) -> range:
+        """The blocks of group g that a query after `num_blocks` full blocks may see."""
+        bs = self.block_size
+        return range(num_skipped_blocks(self.windows[g], num_blocks * bs, bs), num_blocks)
+
+    def _ck(self, g: int, h: int):
+        """The prefix cache's key of hash h in group g (group 0: the bare hash, as with one
+        group)."""
+        return h if g == 0 else (g, h)
+
+    def _hit(self, g: int, req: Request, i: int) -> int | None:
+        """The cached block of group g holding block i of `req`, if its tokens match."""
+        block = self.cached.get(self._ck(g, req.block_hashes[i]))
+        return None if block is None or self.block_key[block] != self._key(req, i) else block
 
     def find_offloaded(self, req: Request, start: int) -> list[int]:
         """Tier slots holding this request's blocks start, start + 1, ... (after its device hits):
@@ -158,12 +204,15 @@ class BlockManager:
         )
         if end <= start:
             return
-        table, hashes = self.block_tables[rid], self._hashes(req, end)
-        for i in range(start, end):
-            if hashes[i] not in self.cached:  # the same prefix computed twice keeps the first copy
-                self.cached[hashes[i]] = table[i]
-                self.block_hash[table[i]] = hashes[i]
-                self.block_key[table[i]] = self._key(req, i)
+        hashes = self._hashes(req, end)
+        for g, table in enumerate(self.tables[rid]):
+            for i in range(start, end):
+                key, block = self._ck(g, hashes[i]), table[i]
+                # the same prefix computed twice keeps the first copy; a window's freed block none
+                if key not in self.cached and block != self.null_block:
+                    self.cached[key] = block
+                    self.block_hash[block] = key
+                    self.block_key[block] = self._key(req, i)
         self.num_hashed[rid] = end
 
     # ------------------------------------------------------------------ allocate / free
@@ -203,10 +252,19 @@ class BlockManager:
         """Free blocks that `allocate` would consume to cover `num_tokens` tokens (with these
         prefix-cache hits, or for a request with `num_computed` tokens in the cache)."""
         have = len(self.block_tables.get(rid, ())) + len(computed_blocks)
-        new = max(0, self.blocks_for(num_tokens) - have) + self.must_copy(rid, num_computed)
+        per_group = max(0, self.blocks_for(num_tokens) - have) + self.must_copy(rid, num_computed)
+        new = per_group * len(self.windows)
         if not computed_blocks:
             return new
-        return new + sum(1 for b in computed_blocks if self.ref_counts[b] == 0)  # cached but free
+        hits = self._live(b for col in computed_blocks for b in self._columns(col))
+        return new + sum(1 for b in hits if self.ref_counts[b] == 0)  # cached but free
+
+    def _columns(self, hit) -> tuple:
+        """A prefix hit's block in each group (find_cached_prefix)."""
+        return hit if isinstance(hit, tuple) else (hit,)
+
+    def _live(self, blocks) -> list[int]:
+        return [b for b in blocks if b != self.null_block]
 
     def can_allocate(
         self, rid: str, num_tokens: int, computed_blocks: list[int] = (), num_computed: int = 0
@@ -234,20 +292,42 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks for request {rid}: call can_allocate first")
         if self.must_copy(rid, req.num_computed_tokens):
             self.copy_on_write(rid, req.num_computed_tokens // self.block_size)
-        table = self.block_tables.get(rid)
-        if table is None:
-            table = self.block_tables[rid] = []
+        tables = self.tables.get(rid)
+        if tables is None:
+            tables = self._new_tables(rid)
             self.num_hashed[rid] = len(computed_blocks)
         elif computed_blocks:
             raise ValueError("computed_blocks can only be shared into a new block table")
-        for block in computed_blocks:
-            if self.ref_counts[block] == 0:
-                del self.free_queue[block]
-            self.ref_counts[block] += 1
-            table.append(block)
-        self._load(req, table, offloaded)
-        while len(table) * self.block_size < num_tokens:
-            table.append(self._take_free_block())
+        for hit in computed_blocks:
+            for table, block in zip(tables, self._columns(hit)):
+                if block != self.null_block and self.ref_counts[block] == 0:
+                    del self.free_queue[block]
+                if block != self.null_block:
+                    self.ref_counts[block] += 1
+                table.append(block)
+        self._load(req, tables[0], offloaded)
+        for table in tables:
+            while len(table) * self.block_size < num_tokens:
+                table.append(self._take_free_block())
+
+    def _new_tables(self, rid: str) -> list[list[int]]:
+        tables = self.tables[rid] = [[] for _ in self.windows]
+        self.block_tables[rid] = tables[0]
+        return tables
+
+    def remove_skipped(self, rid: str, num_computed: int) -> None:
+        """Free the blocks of `rid`'s sliding-window groups that no query from position
+        `num_computed` on can see (vLLM's remove_skipped_blocks): right to left, down to the first
+        entry already null, each replaced by NULL_BLOCK; hashes are kept for later hits."""
+        if not self.slides:
+            return
+        for window, table in zip(self.windows, self.tables.get(rid, ())):
+            skipped = min(num_skipped_blocks(window, num_computed, self.block_size), len(table))
+            for i in range(skipped - 1, -1, -1):
+                if table[i] == self.null_block:
+                    break
+                self._release([table[i]])
+                table[i] = self.null_block
 
     def _load(self, req: Request, table: list[int], slots: list[int]) -> None:
         """Fresh device blocks for the tier's hits, filled from their slots at the step's start and
@@ -274,24 +354,24 @@ class BlockManager:
             raise ValueError(
                 f"request {child_rid} already has a block table: a fork makes a new one"
             )
-        table = self.block_tables[parent_rid]
-        for block in table:
-            self.ref_counts[block] += 1
-        self.block_tables[child_rid] = list(table)
+        for table, copy in zip(self.tables[parent_rid], self._new_tables(child_rid)):
+            for block in self._live(table):
+                self.ref_counts[block] += 1
+            copy += table
         self.num_hashed[child_rid] = self.num_hashed[parent_rid]
 
     def copy_on_write(self, rid: str, i: int) -> None:
         """Give `rid` a private copy of its shared block i (the device copy goes to
         pending_copies)."""
-        table = self.block_tables[rid]
-        if self.ref_counts[table[i]] < 2 or not self.free_queue:  # refuse before changing anything
-            raise RuntimeError(
-                f"block {table[i]} of request {rid} is not shared, or no block is free"
-            )
-        new = self._take_free_block()
-        self.ref_counts[table[i]] -= 1  # still >= 1: a sibling keeps it
-        self.pending_copies.append((table[i], new))
-        table[i] = new
+        block = self.block_tables[rid][i]
+        # refuse before changing anything
+        if self.ref_counts[block] < 2 or len(self.free_queue) < len(self.windows):
+            raise RuntimeError(f"block {block} of request {rid} is not shared, or no block is free")
+        for table in self.tables[rid]:  # forked together, so shared in every group
+            new = self._take_free_block()
+            self.ref_counts[table[i]] -= 1  # still >= 1: a sibling keeps it
+            self.pending_copies.append((table[i], new))
+            table[i] = new
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copies decided since the last call, for this step's
@@ -302,41 +382,50 @@ class BlockManager:
     def _release(self, table: list[int]) -> None:
         # Tail blocks are queued first so that the shared prefix blocks, released last, are
         # evicted last.
-        for block in reversed(table):
+        for block in reversed(self._live(table)):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
 
     def free(self, rid: str) -> None:
         """Drop everything a request holds: device blocks (hashes kept) and swapped CPU blocks."""
-        table = self.block_tables.pop(rid, [])
-        self._drop_copies_into(table)  # a copy into a block given back is not needed
-        self._release(table)
+        self.block_tables.pop(rid, None)
+        for table in self.tables.pop(rid, ()):
+            self._drop_copies_into(table)  # a copy into a block given back is not needed
+            self._release(table)
         self.num_hashed.pop(rid, None)
+        self.swapped_nulls.pop(rid, None)
         self.cpu_free.extend(self.cpu_block_tables.pop(rid, ()))
 
     def free_tail(self, rid: str, num_tokens: int) -> None:
         """Give back the blocks past the first blocks_for(num_tokens) (none, unless a row verified
         drafts: then those that held only rejected drafts, never hashed since cache_full_blocks
         covers computed tokens only)."""
-        table = self.block_tables[rid]
-        self._release(table[self.blocks_for(num_tokens) :])
-        del table[self.blocks_for(num_tokens) :]
+        for table in self.tables[rid]:
+            self._release(table[self.blocks_for(num_tokens) :])
+            del table[self.blocks_for(num_tokens) :]
 
     # ------------------------------------------------------------------ swap
     def can_swap_out(self, rid: str) -> bool:
-        return len(self.block_tables.get(rid, ())) <= len(self.cpu_free)
+        return self._num_live(rid) <= len(self.cpu_free)
+
+    def _num_live(self, rid: str) -> int:
+        return sum(len(self._live(t)) for t in self.tables.get(rid, ()))
 
     def swap_out(self, rid: str) -> list[tuple[int, int]]:
         """Move a request's blocks to CPU. Returns (device block, cpu block) copies, which the
         runner must perform before this step's forward pass reuses the device blocks."""
         if not self.can_swap_out(rid):  # refuse before changing anything
             raise ValueError(
-                f"request {rid} needs {len(self.block_tables.get(rid, ()))} CPU blocks to swap "
+                f"request {rid} needs {self._num_live(rid)} CPU blocks to swap "
                 f"out, only {len(self.cpu_free)} are free: call can_swap_out first"
             )
-        table = self.block_tables.pop(rid)
+        tables = self.tables.pop(rid)
+        del self.block_tables[rid]
         self.num_hashed.pop(rid, None)
+        # which entries a window had freed: they come back null (groups in order, flat on the CPU)
+        self.swapped_nulls[rid] = [[b == self.null_block for b in t] for t in tables]
+        table = [b for t in tables for b in self._live(t)]
         # A copy-on-write decided this step has not run yet (the runner swaps out first): such a
         # block is swapped out from its source, and the copy is dropped.
         source = self._drop_copies_into(table)
@@ -352,16 +441,19 @@ class BlockManager:
         return source
 
     def can_swap_in(self, rid: str, num_tokens: int) -> bool:
-        return max(len(self.cpu_block_tables[rid]), self.blocks_for(num_tokens)) <= len(
-            self.free_queue
-        )
+        length = len(self.swapped_nulls[rid][0])  # every group's table has this length
+        grow = max(0, self.blocks_for(num_tokens) - length) * len(self.windows)
+        return len(self.cpu_block_tables[rid]) + grow <= len(self.free_queue)
 
     def swap_in(self, req: Request) -> list[tuple[int, int]]:
         """Bring a swapped request back into fresh device blocks. Returns (cpu, device) copies."""
         rid = req.request_id
         cpu_table = self.cpu_block_tables.pop(rid)
-        table = self.block_tables[rid] = [self._take_free_block() for _ in cpu_table]
+        tables = self._new_tables(rid)
+        for table, nulls in zip(tables, self.swapped_nulls.pop(rid)):
+            table += [self.null_block if null else self._take_free_block() for null in nulls]
         self.cpu_free.extend(cpu_table)
+        table = [b for t in tables for b in self._live(t)]
         self.num_hashed[rid] = 0
         self.cache_full_blocks(req)  # its full blocks are valid prefix blocks again
         return list(zip(cpu_table, table))
@@ -369,11 +461,21 @@ class BlockManager:
     # ------------------------------------------------------------------ checks and display
     def check_invariants(self) -> None:
         """Raise AssertionError if the books do not balance (used by the property tests)."""
-        owners = [0] * self.num_blocks
-        for table in self.block_tables.values():
-            assert len(set(table)) == len(table), "a block appears twice in one table"
-            for b in table:
-                owners[b] += 1
+        owners, group_of = [0] * self.num_blocks, {}
+        for rid, tables in self.tables.items():
+            assert self.block_tables[rid] is tables[0], "group 0's table is not block_tables'"
+            assert len({len(t) for t in tables}) == 1, "a request's groups differ in length"
+            for g, (window, table) in enumerate(zip(self.windows, tables)):
+                live = self._live(table)
+                assert len(set(live)) == len(live), "a block appears twice in one table"
+                # a window frees from the left: its nulls lead; full attention holds no null
+                assert table[len(table) - len(live) :] == live and (
+                    window or len(live) == len(table)
+                )
+                for b in live:
+                    owners[b] += 1
+                    assert group_of.setdefault(b, g) == g, "a block is in two groups at once"
+        assert self.tables.keys() == self.block_tables.keys(), "tables and block_tables differ"
         assert owners == self.ref_counts, (
             "reference counts differ from the tables holding each block"
         )
@@ -383,6 +485,8 @@ class BlockManager:
         )
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, "cached map and block hashes disagree"
+            g = h[0] if isinstance(h, tuple) else 0
+            assert group_of.get(b, g) == g, "a cached block is held by another group"
         cpu_owned = [b for t in self.cpu_block_tables.values() for b in t]
         assert len(cpu_owned) == len(set(cpu_owned)), "a CPU block is owned twice"
         assert sorted(cpu_owned + self.cpu_free) == list(range(self.num_cpu_blocks)), (

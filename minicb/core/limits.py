@@ -8,7 +8,8 @@ checks it before tokens reach the engine core, and Scheduler.add_request checks 
 request can also be built by hand (notebooks, the simulator). Pure Python, like the scheduler.
 """
 
-from ..config import EngineConfig, cdiv
+from ..config import EngineConfig
+from .kv_cache_groups import KVCacheGroupSpec, blocks_per_request
 
 
 def check_request(
@@ -38,10 +39,15 @@ def check_request(
             f"{n + max_tokens} exceeds max_model_len {config.max_model_len}"
         )
     cached = n + max_tokens - 1  # the last generated token is never fed back, so never cached
-    if config.num_blocks is not None and cdiv(cached, config.block_size) > config.num_blocks:
+    # KV cache groups: a block per group for each token it keeps, a window's only near its end
+    groups = config.kv_cache_groups or (KVCacheGroupSpec(()),)
+    chunk = min(cached, config.max_num_batched_tokens or cached)
+    blocks = blocks_per_request(groups, cached, config.block_size, chunk)
+    if config.num_blocks is not None and blocks > config.num_blocks:
+        in_groups = f" over {len(groups)} KV cache groups" if len(groups) > 1 else ""
         raise ValueError(
-            f"request needs up to {cached} tokens = {cdiv(cached, config.block_size)} KV blocks of "
-            f"{config.block_size}, but the cache has only num_blocks={config.num_blocks}"
+            f"request needs up to {cached} tokens = {blocks} KV blocks of "
+            f"{config.block_size}{in_groups}, but the cache has only num_blocks={config.num_blocks}"
         )
     if not config.enable_chunked_prefill and n > config.max_num_batched_tokens:
         raise ValueError(

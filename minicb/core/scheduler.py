@@ -38,6 +38,7 @@ class Scheduler:
             config.num_swap_blocks,
             config.enable_prefix_caching,
             config.num_offload_blocks or 0,
+            tuple(g.sliding_window for g in config.kv_cache_groups or ()) or (None,),
         )
         self.waiting: list[Request] = []  # kept sorted by policy key
         self.running: list[Request] = []  # in admission order
@@ -183,6 +184,7 @@ class Scheduler:
     def _row(self, req: Request, num_new: int) -> ScheduledRequest:
         """The row feeding `req` its next `num_new` tokens, counted in the step's estimated time."""
         row = ScheduledRequest.make(req, num_new, self.block_manager.block_tables[req.request_id])
+        row.block_ids = self.block_manager.tables[req.request_id]
         if self.timer is not None:
             self.timer.add_row(row)
         return row
@@ -250,8 +252,7 @@ class Scheduler:
         """Phase 1: give every running request its next tokens, in policy order, decodes first. When
         one needs a block and none is free, the running request the policy ranks last is preempted
         (if it already got a row this step, the row and its tokens are taken back)."""
-        bm = self.block_manager
-        rows = {}
+        bm, rows = self.block_manager, {}
         ranked = sorted(filter(self._may_schedule, self.running), key=self.policy_key)
         left = lambda r: r.num_tokens_with_placeholders - r.num_computed_tokens
         decoding = [r for r in ranked if left(r) == 1]
@@ -261,6 +262,7 @@ class Scheduler:
         for req in decoding + prefilling:
             if budget == 0:
                 break
+            bm.remove_skipped(req.request_id, req.num_computed_tokens)  # out of a window: freed
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
             cannot_schedule = req.status != RequestStatus.RUNNING or num_new == 0
             if cannot_schedule:  # preempted earlier, or it must wait for budget
@@ -318,6 +320,7 @@ class Scheduler:
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in(req)
+            bm.remove_skipped(req.request_id, req.num_computed_tokens)
             bm.allocate(req, req.num_computed_tokens + num_new)
             self._take_slot(req)
             self._charge_tenants([req], [])

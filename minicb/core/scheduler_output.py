@@ -26,6 +26,9 @@ class ScheduledRequest:
     slot: int  # the batch row the request occupies while it runs
     # drafts fed after its newest token, to verify (spec_decode.py; vLLM's name)
     spec_token_ids: list[int] = field(default_factory=list)
+    # KV cache groups (kv_cache_groups.py): every group's live table, group 0's first (vLLM's
+    # block_ids); empty: one group, block_table
+    block_ids: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def make(cls, req: Request, num_tokens: int, block_table: list[int]) -> "ScheduledRequest":
