@@ -16,8 +16,10 @@ from reference import greedy_reference
 
 import minicb.model_executor.model
 from minicb import LLM, SamplingParams
+from minicb.core.kv_cache_groups import kv_cache_groups
 from minicb.core.request import Request
 from minicb.core.scheduler import ScheduledRequest, SchedulerOutput
+from minicb.model_executor.hf_config import sliding_window_of
 from minicb.model_executor.loader import load_model, make_tiny_model, save_tiny_model
 from minicb.worker.cuda_graph import DecodeGraphRunner, NoHostReads, batch_buckets, width_buckets
 
@@ -381,7 +383,8 @@ def test_uniform_verify_batches_replay_their_own_graphs(loaded, backend):
 # llama: plain GQA; qwen3: q/k norms and head_dim != hidden_size / num_heads (qwen2 adds nothing
 # here); the two mixtures of experts run their fused MoE's static ("padded") path inside a graph;
 # mistral_window masks all but the last 8 positions inside a graph's decode attention, and
-# qwen2_hybrid in its second layer only
+# qwen2_hybrid in its second layer only; gemma3 windows five layers of six, each layer type with
+# its own RoPE table
 @pytest.fixture(
     scope="module",
     params=[
@@ -392,6 +395,7 @@ def test_uniform_verify_batches_replay_their_own_graphs(loaded, backend):
         "qwen3_moe",
         "mixtral",
         "deepseek_v3",
+        "gemma3",
     ],
 )
 def arch_model(request, tmp_path_factory):
@@ -403,6 +407,12 @@ def arch_model(request, tmp_path_factory):
 
 
 def generate(loaded, graph_batch_cap=None, **config):
+    # A windowed model's KV cache groups draw their tables from one pool: each group gets the
+    # blocks a config sized for one table, so all 16 requests still fit (gemma3 has 6 groups, and
+    # with 100 blocks of 4 it would decode no batch of 2)
+    hf = loaded.hf_config
+    windows = [sliding_window_of(hf, i) for i in range(hf.num_hidden_layers)]
+    config["num_blocks"] *= len(kv_cache_groups(windows))
     llm = LLM.from_loaded(loaded, dtype="float64", max_num_seqs=16, **config)
     if (
         graph_batch_cap is not None and config["use_cuda_graph"]

@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -40,6 +42,19 @@ LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
+}
+# layer 0 a window of 5, layer 1 global, each with its own RoPE; hidden_size 48 (sqrt(48) is inexact
+# in every dtype) != 4 heads x 16; scores scaled by 24 ** -0.5
+GEMMA3 = {
+    "hidden_size": 48,
+    "head_dim": 16,
+    "sliding_window": 5,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "query_pre_attn_scalar": 24,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    },
 }
 
 VARIANTS = {
@@ -80,6 +95,12 @@ VARIANTS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32, "attention_bias": True}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     "mistral-sliding": (MistralConfig, MistralForCausalLM, {"sliding_window": 6}),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3),  # tied, as Gemma's default
+    "gemma3-logit-softcap": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {**GEMMA3, "final_logit_softcapping": 2.0},  # Gemma 2's tanh cap, which Gemma 3 dropped
+    ),
 }
 
 _MODELS = {}
@@ -92,6 +113,9 @@ def tiny(variant):
         cfg = config_cls(**{**SMALL, **extra})
         torch.manual_seed(0)
         hf = model_cls(cfg).to(DT).eval()
+        if model_cls is Gemma3ForCausalLM:  # built in float32 and cast, its sqrt(hidden_size) is
+            # float32's; a float64 checkpoint's is exact (test_gemma3_embedding_scale_...)
+            hf.model.embed_tokens.embed_scale.fill_(cfg.hidden_size**0.5)
         with (
             torch.no_grad()
         ):  # HF initialises norms to 1 and biases to 0: randomise so that skipping one shows
@@ -153,7 +177,9 @@ def test_full_prompt_logits_match_transformers(variant):
     torch.testing.assert_close(logits, hf_logits(hf, tokens), rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3", "mistral-sliding", "qwen2-sliding"])
+@pytest.mark.parametrize(
+    "variant", ["llama", "qwen3", "mistral-sliding", "qwen2-sliding", "gemma3"]
+)
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_chunked_prefill_then_decodes_match_one_full_forward(variant, block_size):
     cfg, hf, model = tiny(variant)
@@ -207,9 +233,35 @@ def test_rope_scaling_is_applied_and_tied_weights_are_shared():
     _cfg, _, model = tiny("llama3-rope")
     default_cos, _ = rope_tables(LlamaConfig(**SMALL, rope_theta=500.0), 16)
     # llama3 scaling changed the frequencies
-    assert not torch.allclose(model.rope_cos, default_cos.to(DT))
+    assert not torch.allclose(model.rope_cos[0], default_cos.to(DT))
     _, _, tied = tiny("llama-mha-tied")
     assert tied.lm_head.weight is tied.embed_tokens.weight
+
+
+def test_gemma3_layers_take_their_layer_types_rope_table():
+    cfg, _, model = tiny("gemma3")
+    assert model.rope_layer_types == ["sliding_attention", "full_attention"]
+    assert model.layer_rope == [0, 1]
+    for t, layer_type in enumerate(model.rope_layer_types):
+        cos, sin = rope_tables(cfg, 16, layer_type)
+        assert torch.equal(model.rope_cos[t], cos.to(DT))
+        assert torch.equal(model.rope_sin[t], sin.to(DT))
+    assert not torch.allclose(model.rope_cos[0], model.rope_cos[1])
+    # a model with one set of rope_parameters has one table, though Qwen2 sets layer_types too
+    _, _, qwen2 = tiny("qwen2-sliding")
+    assert qwen2.rope_layer_types == [None] and qwen2.rope_cos.shape[0] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_gemma3_embedding_scale_is_rounded_like_transformers(tmp_path, dtype):
+    """sqrt(hidden_size) rounded to the model's dtype (bfloat16: sqrt(48) = 6.928 becomes 6.9375),
+    as transformers' checkpoint loaded in that dtype has it."""
+    cfg, hf, _ = tiny("gemma3")
+    hf.save_pretrained(tmp_path)
+    reference = Gemma3ForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+    model = CausalLM.from_hf(cfg, hf.state_dict(), dtype, "cpu")
+    expected = reference.model.embed_tokens.embed_scale.to(dtype)
+    assert model.embed_scale.dtype == dtype and torch.equal(model.embed_scale, expected)
 
 
 def test_tied_model_loads_without_lm_head_and_untied_one_needs_it():
@@ -250,6 +302,11 @@ def test_errors_a_user_can_act_on():
     longrope.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0}
     with pytest.raises(ValueError, match="longrope"):
         CausalLM.from_hf(longrope, hf.state_dict(), DT, "cpu")
+    # Gemma 2's cap on attention scores and EmbeddingGemma's bidirectional attention
+    for field, value in [("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)]:
+        gemma3 = Gemma3TextConfig(**{**SMALL, **GEMMA3, field: value})
+        with pytest.raises(ValueError, match=field):
+            CausalLM.from_hf(gemma3, {}, DT, "cpu")
 
 
 def test_float32_model_stays_close_to_float64():

@@ -12,6 +12,8 @@ import torch
 from reference import greedy_reference
 
 from minicb import LLM, SamplingParams
+from minicb.core.kv_cache_groups import blocks_per_request, kv_cache_groups
+from minicb.model_executor.hf_config import sliding_window_of
 from minicb.model_executor.loader import load_model, make_tiny_model, save_tiny_model
 
 ARCHS = [
@@ -25,6 +27,7 @@ ARCHS = [
     "qwen3_moe",
     "mixtral",
     "deepseek_v3",
+    "gemma3",
 ]
 rng = random.Random(0)
 # Very different prompt lengths (1..57) and output lengths (1..28); two prompts share a prefix.
@@ -101,12 +104,27 @@ ASYNC_CONFIGS = [name for name, c in CONFIGS.items() if "speculative_config" not
 PREEMPTING = dict(block_size=4, num_blocks=24, max_num_batched_tokens=32)
 
 
+def preempting_blocks(loaded) -> int:
+    """24 blocks of 4 tokens: the longest request needs 21 on its own, so the batch must preempt.
+    A windowed model's KV cache groups keep fewer in a window's group (a window of 8: at most
+    cdiv(8 - 1 + 32, 4) + 1 = 11): it gets one block more than its longest request needs."""
+    hf = loaded.hf_config
+    windows = [sliding_window_of(hf, i) for i in range(hf.num_hidden_layers)]
+    if not any(windows):
+        return 24
+    longest = max(len(p) for p in PROMPTS) + max(MAX_TOKENS) - 1
+    return blocks_per_request(kv_cache_groups(windows), longest, 4, 32) + 1
+
+
 @pytest.mark.parametrize("name", ASYNC_CONFIGS)
 def test_async_scheduling_matches_transformers(model, name):
     """Async scheduling (the next step scheduled before this one's tokens land) gives the same
     tokens in every configuration; drafts are refused with it (test_async_scheduling.py)."""
     loaded, refs, _ = model
-    config = CONFIGS.get(name) or PREEMPTING | {"preemption_mode": name.removeprefix("preempt_")}
+    config = CONFIGS.get(name) or PREEMPTING | {
+        "preemption_mode": name.removeprefix("preempt_"),
+        "num_blocks": preempting_blocks(loaded),
+    }
     tokens, trace = run(loaded, async_scheduling=True, **config)
     assert tokens == refs
     if name.startswith("preempt"):
@@ -116,11 +134,10 @@ def test_async_scheduling_matches_transformers(model, name):
 @pytest.mark.parametrize("mode,spec", [("recompute", None), ("swap", None), ("recompute", SPEC)])
 def test_preemption_keeps_outputs_exact(model, mode, spec):
     loaded, refs, _ = model
-    # 24 blocks of 4 tokens: the longest request needs 21 on its own, so the batch must preempt.
     tokens, trace = run(
         loaded,
         block_size=4,
-        num_blocks=24,
+        num_blocks=preempting_blocks(loaded),
         max_num_batched_tokens=32,
         preemption_mode=mode,
         speculative_config=spec,
@@ -159,9 +176,11 @@ def test_eos_stops_like_transformers(model):
         .token_ids
     )
     stop = free_run[7]
+    # EOS ignored, as transformers' eos_token_id=stop ignores the model's: only the stop token ends
+    # the run (the tiny Gemma 3 emits its EOS, token 1, before free_run[7])
     out = llm.generate(
         [PROMPTS[0]],
-        SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop]),
+        SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop], ignore_eos=True),
         use_tqdm=False,
     )[0]
     assert (

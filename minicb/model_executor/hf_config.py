@@ -1,7 +1,8 @@
 """What the engine reads off a Hugging Face model config: the shape of one attention head, how many
-key/value heads there are, which layers slide a window, which MLPs are mixtures of experts, and how
-many bytes of KV cache one token needs. The model, its attention paths, the KV cache and the memory
-planner all ask these questions; the answers live here, below all of them."""
+key/value heads there are, which layers slide a window and which RoPE each takes, which MLPs are
+mixtures of experts, and how many bytes of KV cache one token needs. The model, its attention paths,
+the KV cache and the memory planner all ask these questions; the answers live here, below all of
+them."""
 
 import math
 from dataclasses import dataclass
@@ -83,6 +84,17 @@ def sliding_window_of(hf_config, layer_idx: int) -> int | None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
     # Mistral and the two MoE families window every layer alike when the config sets one
     return window if hf_config.model_type in ("mistral", "mixtral", "qwen3_moe") else None
+
+
+def rope_layer_type_of(hf_config, layer_idx: int) -> str | None:
+    """The key of this layer's RoPE parameters where they differ by layer type (Gemma 3:
+    "sliding_attention" and "full_attention", each with its own theta and scaling), or None where
+    one set serves every layer (Qwen2/Qwen3 have layer_types but one flat rope_parameters)."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_types is None or layer_types[layer_idx] not in rope:
+        return None
+    return layer_types[layer_idx]
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Tiny random models of every supported architecture, for tests that must be exact and fast.
 
-Each is 2 layers, 4 query heads sharing 2 KV heads (grouped-query attention), a vocabulary of 128
-(the MoE ones with 8 or 4 experts of which each token picks 2),
-built by transformers from a config with a fixed seed, so the same arguments always give the same
-weights: minicb's forward pass is compared with transformers' on them in float64, token for token.
+Each is 2 layers (6 for Gemma 3's pattern of five local layers and one global), 4 query heads
+sharing 2 KV heads (grouped-query attention), a vocabulary of 128 (the MoE ones with 8 or 4 experts
+of which each token picks 2), built by transformers from a config with a fixed seed, so the same
+arguments always give the same weights: minicb's forward pass is compared with transformers' on
+them in float64, token for token.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 TINY_ARCHS = {  # arch -> (HF config class, fields that give the variant its twist in model.py)
     "llama": ("LlamaConfig", dict()),
@@ -39,8 +41,37 @@ TINY_ARCHS = {  # arch -> (HF config class, fields that give the variant its twi
         "Qwen2Config",
         dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
     ),
+    # Gemma 3's pattern (five windowed layers, then one with full attention) on Qwen2's layers: 6
+    # layers, so 6 KV cache groups of one layer (the shape of issue 39's capacity test)
+    "qwen2_local_global": (
+        "Qwen2Config",
+        dict(
+            use_sliding_window=True,
+            sliding_window=8,
+            num_hidden_layers=6,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        ),
+    ),
     "qwen2": ("Qwen2Config", dict()),  # q/k/v projections have biases
     "qwen3": ("Qwen3Config", dict(head_dim=32)),  # q/k RMSNorm, head_dim != hidden / heads
+    # Gemma 3: five layers with a window of 4 (shorter than most prompts), then one global layer,
+    # each type with its own RoPE (the global one linearly scaled, as in the larger Gemma 3s);
+    # scores scaled by 24 ** -0.5, not head_dim's 16 ** -0.5. Untied like every tiny arch: a tied
+    # random Gemma mostly repeats its last token (the embedding, times sqrt(hidden), dominates)
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=6,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        ),
+    ),
     # mixtures of experts (fused_moe.py): 8 experts, top 2, probabilities used as they come
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -101,7 +132,8 @@ def tiny_config(arch: str = "llama", **config_overrides) -> transformers.Pretrai
     fields.update(arch_fields)
     fields.update(config_overrides)
     config = getattr(transformers, class_name)(**fields)
-    config.architectures = [class_name.replace("Config", "ForCausalLM")]
+    # the class AutoModelForCausalLM builds for this config (Gemma3TextConfig: Gemma3ForCausalLM)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     return config
 
 
@@ -118,8 +150,10 @@ def make_tiny_model(
         # kernel: the eager loop over experts is the reference.
         moe = {"experts_implementation": "eager"} if arch in MOE_ARCHS else {}
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64, **moe)
-        with torch.no_grad():  # HF starts norms at 1 and biases at 0; a forward pass that forgot
-            for name, p in model.named_parameters():  # them would still match. Make them count.
+        # HF starts norms at their identity (1; Gemma's 1 + weight at 0) and biases at 0; a forward
+        # pass that forgot them would still match. Make them count.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(1.0, 0.1)
                 elif name.endswith("bias"):

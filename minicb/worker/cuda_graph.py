@@ -40,6 +40,7 @@ kernel, the memory pool, the speed-up, or Python state read again at each replay
 
 import bisect
 import time
+from dataclasses import replace
 
 import torch
 
@@ -154,6 +155,11 @@ class DecodeGraphRunner:
         self.cache_locs = torch.zeros(tokens, **long)  # (tokens,)
         self.context_lens = torch.zeros(n, **long)  # (n,)
         self.block_tables = torch.zeros(n, self.max_blocks, **long)  # (n, max_blocks)
+        # KV cache groups 1, 2, ...: their own cache locations and tables (vLLM V1's
+        # MultiGroupBlockTable), the same shapes
+        others = range(self.kv_cache.num_groups - 1)
+        self.group_cache_locs = [torch.zeros(tokens, **long) for _ in others]
+        self.group_tables = [torch.zeros(n, self.max_blocks, **long) for _ in others]
         # (n + 1,): q queries per row in a graph of q-token rows, never changes
         self.query_start_loc = torch.arange(n + 1, **long)
         self.verify_start_loc = self.query_start_loc * (self.verify_query_len or 1)
@@ -190,6 +196,10 @@ class DecodeGraphRunner:
         )
         input_ids = self.input_ids[: b * q]
         positions = self.positions[: b * q]
+        metas = [meta] + [
+            replace(meta, cache_locs=locs[: b * q], block_tables=tables[:b, :w])
+            for locs, tables in zip(self.group_cache_locs, self.group_tables)
+        ]
 
         def step():
             if self.pages:  # the (row, block) pairs, computed on the device inside the graph
@@ -202,7 +212,7 @@ class DecodeGraphRunner:
                     meta.query_start_loc,
                 )
             # (b * q, hidden): the logits run after
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            hidden = self.model(input_ids, positions, self.kv_cache, metas if metas[1:] else meta)
             load = expert_load(self.model)
             if load is not None:  # one static buffer that every graph overwrites
                 if self.expert_load is None:
@@ -275,6 +285,8 @@ class DecodeGraphRunner:
         self.cache_locs[tokens] = self.sink_loc
         self.context_lens[start:stop] = q
         self.block_tables[start:stop] = self.sink_block_id
+        for locs, tables in zip(self.group_cache_locs, self.group_tables):
+            locs[tokens], tables[start:stop] = self.sink_loc, self.sink_block_id
 
     @torch.inference_mode()
     def run(self, out, h=None, fill=None) -> torch.Tensor:
@@ -313,6 +325,10 @@ class DecodeGraphRunner:
             pad_tables(h.block_tables, width, self.sink_block_id),
         )
         self.block_tables[:num_rows, width:] = self.sink_block_id  # masked (or empty pages) anyway
+        for group, locs, tables in zip(h.group_tables, self.group_cache_locs, self.group_tables):
+            copy(locs[:num_tokens], cache_locations(group, h.context_lens, h.query_lens, bs))
+            copy(tables[:num_rows, :width], pad_tables(group, width, self.sink_block_id))
+            tables[:num_rows, width:] = self.sink_block_id
         self._pad(num_rows, key[0], q)
         graph = (self.graphs if q == 1 else self.verify_graphs)[key]
         graph.replay()

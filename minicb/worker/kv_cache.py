@@ -18,10 +18,15 @@ padding can never touch a real request's cache.
 CPU swap space (`num_cpu_blocks`) holds blocks of preempted requests
 (preemption_mode="swap"); `swap_out` / `swap_in` copy whole blocks for all layers at once.
 The cache may hold another dtype than the model computes in (kv_cache_dtype="fp8": kv_quant.py).
+
+KV cache groups (core/kv_cache_groups.py): layer j of every group shares the j-th tensor, so there
+are group_size tensors, not num_layers, and block id b is a page in each of them that belongs to
+one group at a time (vLLM V1's KVCacheTensor shared_by). A block copy still copies every tensor.
 """
 
 import torch
 
+from ..core.kv_cache_groups import KVCacheGroupSpec, group_size_of, layer_slots
 from ..model_executor.hf_config import cache_shape_of
 from ..model_executor.kv_quant import KVQuant
 
@@ -39,6 +44,7 @@ class KVCache:
         num_cpu_blocks: int = 0,
         cache_dtype=None,
         num_offload_blocks: int = 0,
+        kv_cache_groups=None,
     ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -47,6 +53,10 @@ class KVCache:
         if num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
         self.num_layers = hf_config.num_hidden_layers
+        # KV cache groups: each layer's group (for its attention metadata) and tensor
+        groups = kv_cache_groups or (KVCacheGroupSpec(tuple(range(self.num_layers))),)
+        self.num_groups, self.num_slots = len(groups), group_size_of(groups)
+        self.layer_group, slot_of = layer_slots(groups, self.num_layers)
         self.num_blocks = num_blocks  # blocks the BlockManager may hand out: ids 0..num_blocks-1
         self.block_size = block_size
         # (kv heads, K width, V width); multi-head latent attention: (1, latent width, 0)
@@ -75,29 +85,29 @@ class KVCache:
 
         # One tensor for all layers, so that swapping a set of blocks is one
         # index_select over dim 1 instead of a loop over layers.
-        # (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)
+        # (num_slots, num_blocks + 1, block_size, kv_heads, head_dim): one slot per layer of a group
         block_shape = (block_size, self.num_kv_heads, self.head_dim)
         v_block_shape = (block_size, self.num_kv_heads, self.v_head_dim)
         # zeros, not empty: padded rows read the sink, and although their attention weights on it
         # are masked to 0, 0 * NaN from uninitialised memory would still be NaN.
         self.k = torch.zeros(
-            (self.num_layers, num_blocks + 1, *block_shape), dtype=storage, device=self.device
+            (self.num_slots, num_blocks + 1, *block_shape), dtype=storage, device=self.device
         )
-        pools = (self.num_layers, num_blocks + 1)
+        pools = (self.num_slots, num_blocks + 1)
         self.v = torch.zeros((*pools, *v_block_shape), dtype=storage, device=self.device)
-        self.k_caches = list(self.k.unbind(0))  # views, one per layer
-        self.v_caches = list(self.v.unbind(0))
+        self.k_caches = [self.k[slot] for slot in slot_of]  # views, one per layer
+        self.v_caches = [self.v[slot] for slot in slot_of]
 
         # Pinned host memory makes device <-> host copies fast (and possible to overlap).
         pin = self.device.type == "cuda"
-        cpu_shape = (self.num_layers, num_cpu_blocks, *block_shape)
-        cpu_v_shape = (self.num_layers, num_cpu_blocks, *v_block_shape)
+        cpu_shape = (self.num_slots, num_cpu_blocks, *block_shape)
+        cpu_v_shape = (self.num_slots, num_cpu_blocks, *v_block_shape)
         self.cpu_k = torch.zeros(cpu_shape, dtype=storage, device="cpu", pin_memory=pin)
         self.cpu_v = torch.zeros(cpu_v_shape, dtype=storage, device="cpu", pin_memory=pin)
         # the prefix cache's CPU tier (core/kv_offload.py): copies of evicted prefix blocks
         self.num_offload_blocks = num_offload_blocks
         tier_shape, tier_v_shape = (
-            (self.num_layers, num_offload_blocks, *shape) for shape in (block_shape, v_block_shape)
+            (self.num_slots, num_offload_blocks, *shape) for shape in (block_shape, v_block_shape)
         )
         self.tier_k = torch.zeros(tier_shape, dtype=storage, device="cpu", pin_memory=pin)
         self.tier_v = torch.zeros(tier_v_shape, dtype=storage, device="cpu", pin_memory=pin)
@@ -141,7 +151,7 @@ class KVCache:
             return
         src = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([h for _, h in pairs], dtype=torch.long)
-        # (num_layers, len(pairs), block_size, kv_heads, head_dim)
+        # (num_slots, len(pairs), block_size, kv_heads, head_dim)
         host_k.index_copy_(1, dst, self.k.index_select(1, src).cpu())
         host_v.index_copy_(1, dst, self.v.index_select(1, src).cpu())
 
@@ -187,7 +197,8 @@ class KVCache:
         # multi-head latent attention: the latent is its own value
         v_width = "" if self.v_head_dim == self.head_dim else f" (values {self.v_head_dim})"
         return (
-            f"KVCache(layers={self.num_layers}, blocks={self.num_blocks} + 1 sink, "
+            f"KVCache(layers={self.num_layers}, groups={self.num_groups} x {self.num_slots} "
+            f"layers, blocks={self.num_blocks} + 1 sink, "
             f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}{v_width}, "
             f"dtype={str(self.cache_dtype).removeprefix('torch.')}, "

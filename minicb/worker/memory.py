@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig, cdiv
+from ..core.kv_cache_groups import group_size_of, kv_cache_groups
 from ..model_executor.attention import AttentionMetadata
-from ..model_executor.hf_config import kv_bytes_per_token
+from ..model_executor.hf_config import kv_bytes_per_token, sliding_window_of
 from ..model_executor.kv_quant import cache_dtype_of
 from ..model_executor.paged_flash import page_pairs
 from .kv_cache import KVCache
@@ -49,14 +50,23 @@ def sized_on_device(config: EngineConfig) -> bool:
 
 def block_bytes(config: EngineConfig, hf_config) -> int:
     """Bytes of one KV block on one rank (tensor parallelism: each rank caches 1/N of the KV
-    heads)."""
+    heads). With KV cache groups a block is a page in each of group_size layers' tensors."""
     # fp8: 1 byte a value
     cache_dtype = cache_dtype_of(config.kv_cache_dtype, getattr(torch, config.dtype))
-    return (
-        kv_bytes_per_token(hf_config, cache_dtype)
-        * config.block_size
-        // config.tensor_parallel_size
-    )
+    per_layer = kv_bytes_per_token(hf_config, cache_dtype) // hf_config.num_hidden_layers
+    layers = group_size_of(groups_of(config, hf_config))
+    return per_layer * layers * config.block_size // config.tensor_parallel_size
+
+
+def groups_of(config: EngineConfig, hf_config) -> tuple:
+    """The model's KV cache groups (core/kv_cache_groups.py). One group when the hybrid manager is
+    disabled, or with the CPU tier, which keeps one table's blocks (vLLM too turns its hybrid
+    manager off for a KV connector that does not support it)."""
+    if config.kv_cache_groups is not None:
+        return config.kv_cache_groups
+    windows = [sliding_window_of(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+    tiered = config.kv_offloading_size is not None or bool(config.num_offload_blocks)
+    return kv_cache_groups(windows, config.disable_hybrid_kv_cache_manager or tiered)
 
 
 def resolve_config(config: EngineConfig, loaded) -> EngineConfig:
@@ -64,6 +74,7 @@ def resolve_config(config: EngineConfig, loaded) -> EngineConfig:
     with no budget given, num_blocks stays None: the engine measures the device first
     (profile_kv_cache)."""
     max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    config = config.replace(kv_cache_groups=groups_of(config, loaded.hf_config))
     num_blocks = config.num_blocks
     if num_blocks is None and not sized_on_device(config):
         per_block = block_bytes(config, loaded.hf_config)

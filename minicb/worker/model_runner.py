@@ -14,7 +14,7 @@ the same inputs into static buffers and returns the same logits. Sampling always
 outside the graph, and the eager path below is the reference every graph must match.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 import torch
@@ -22,7 +22,12 @@ import torch
 from ..config import cdiv
 from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
-from ..model_executor.attention import AttentionMetadata, to_device
+from ..model_executor.attention import (
+    AttentionMetadata,
+    cache_locations,
+    pad_tables,
+    to_device,
+)
 from ..model_executor.fused_moe import expert_load
 from ..model_executor.paged_flash import page_pairs
 from ..model_executor.ragged_attention import decode_groups
@@ -81,6 +86,8 @@ class HostInputs:
     # the tokens whose logits are computed: each sampling row's last, a verifying row's all
     logits_indices: list[int]
     num_decode_tokens: int = 0  # vLLM's name: the tokens of the leading decode rows
+    # KV cache groups 1, 2, ...: per group, per attention row, like block_tables (group 0's)
+    group_tables: list[list[list[int]]] = field(default_factory=list)
 
 
 def host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
@@ -97,6 +104,11 @@ def host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
         inputs.context_lens.append(start + n)
         inputs.query_lens.append(n)
         inputs.block_tables.append(row.block_table[: cdiv(start + n, block_size)])
+        if len(row.block_ids) > 1:  # KV cache groups: each group's table, the same columns
+            if not inputs.group_tables:
+                inputs.group_tables = [[] for _ in row.block_ids[1:]]
+            for tables, table in zip(inputs.group_tables, row.block_ids[1:]):
+                tables.append(table[: cdiv(start + n, block_size)])
         if row.do_sample:
             inputs.sample_rows.append(i)
             inputs.logits_indices += range(
@@ -151,17 +163,36 @@ class ModelRunner:
                 meta.decode_slots,
             )
         elif groups_decodes_on_cpu:  # eager CPU: decode rows grouped by length, once a step
-            meta.decode_groups = decode_groups(
-                h.block_tables[:nd],
-                h.context_lens[:nd],
-                self.config.block_size,
-                self.kv_cache.sink_block_id,
-                self.kv_cache.dtype,
-                self.device,
-                h.query_lens[:nd],
-            )
+            meta.decode_groups = self._decode_groups(h, h.block_tables)
+        if h.group_tables:  # KV cache groups: the same rows, each group's blocks
+            meta = [meta] + [self._group_meta(meta, h, tables) for tables in h.group_tables]
         as_tensor = lambda x: to_device(x, self.device)
         return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.logits_indices
+
+    def _group_meta(self, meta: AttentionMetadata, h: HostInputs, tables) -> AttentionMetadata:
+        """Another group's metadata: only where its tokens go and which blocks it reads differ."""
+        bs, sink = self.config.block_size, self.kv_cache.sink_block_id
+        width = max((len(t) for t in tables), default=0)
+        locs = cache_locations(tables, h.context_lens, h.query_lens, bs)
+        grouped = self.device.type == "cpu" and h.num_decodes
+        return replace(
+            meta,
+            cache_locs=to_device(locs, self.device),
+            block_tables=to_device(pad_tables(tables, width, sink), self.device),
+            decode_groups=self._decode_groups(h, tables) if grouped else None,
+        )
+
+    def _decode_groups(self, h: HostInputs, tables):
+        nd = h.num_decodes
+        return decode_groups(
+            tables[:nd],
+            h.context_lens[:nd],
+            self.config.block_size,
+            self.kv_cache.sink_block_id,
+            self.kv_cache.dtype,
+            self.device,
+            h.query_lens[:nd],
+        )
 
     @torch.inference_mode()
     def execute(

@@ -318,6 +318,7 @@ def _worker_main(rank: int, n: int, init: str, backend: str, loaded, config) -> 
             config.num_swap_blocks,
             cache_dtype_of(config.kv_cache_dtype, dtype),
             config.num_offload_blocks or 0,
+            config.kv_cache_groups,
         )
         runner = ModelRunner(model, kv_cache, config, device)
         while True:

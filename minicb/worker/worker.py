@@ -79,6 +79,7 @@ class Worker:
             config.num_swap_blocks,
             cache_dtype,
             config.num_offload_blocks or 0,
+            config.kv_cache_groups,
         )
         self.runner = ModelRunner(model, self.kv_cache, config, config.device)
         self.runner.tp, self.runner.attention_backend = self.tp, backend
