@@ -81,3 +81,16 @@ def test_the_module_imports_no_torch():
     code = "import sys, minicb.viz.kv_2026; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_group_pages_draws_held_given_back_and_not_yet_per_group():
+    full = [[3], [3, 4], [3, 4, 9]]
+    window = [[5], [5, 6], [None, 6, 7]]  # block 0 left the window after step 3
+    fig = kv_2026.group_pages([1, 2, 3], [full, window], ["full", "window 4"], title="t")
+    assert isinstance(fig, Figure) and len(fig.axes) == 2
+    left, right = fig.axes
+    grid = right.images[0].get_array().tolist()
+    assert grid == [[2, 2, 1], [0, 2, 2], [0, 0, 2]]  # rows: logical blocks 0, 1, 2
+    assert left.images[0].get_array().tolist() == [[2, 2, 2], [0, 2, 2], [0, 0, 2]]
+    assert "at most 2 held" in right.get_title() and "at most 3 held" in left.get_title()
+    assert {t.get_text() for t in right.texts} == {"5", "6", "7"}

@@ -8,6 +8,8 @@ what a CPU tier under the prefix cache buys on a multi-turn workload.
   tier_sweep       the cached share of prompt tokens and the time to first token against the size
                    of the CPU tier, beside other ways to spend memory (a larger device pool)
   tier_traffic     blocks copied to the CPU tier and back in each step of an engine run
+  group_pages      one request's block table in each KV cache group, step by step: a full group's
+                   pages pile up, a sliding window's are given back as the window moves on
 
 No torch: plain numbers in, closed Figures out.
 """
@@ -15,6 +17,7 @@ No torch: plain numbers in, closed Figures out.
 import textwrap
 
 import matplotlib.pyplot as plt
+from matplotlib.colors import ListedColormap
 
 from .charts import bars, curves
 
@@ -167,5 +170,39 @@ def tier_traffic(
         title=title or "the CPU tier's copies, step by step",
     )
     ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def group_pages(
+    steps: list[int],
+    tables: list[list[list[int | None]]],
+    labels: list[str],
+    title: str | None = None,
+):
+    """One panel per KV cache group: x the step, y the request's logical block (0 at the bottom),
+    each cell the physical block that holds it after that step (its id written in), grey where a
+    window gave it back (the null block), white before it exists. `tables[g][s]`: group g's table
+    after steps[s], None for a null entry."""
+    rows = max((len(t) for group in tables for t in group), default=1)
+    fig, axes = plt.subplots(1, len(tables), figsize=(3.2 * len(tables), 4.2), sharey=True)
+    plt.close(fig)
+    axes = [axes] if len(tables) == 1 else list(axes)
+    cmap = ListedColormap([(1, 1, 1), (0.8, 0.8, 0.8), (0.55, 0.75, 0.95)])
+    for ax, group, label in zip(axes, tables, labels):
+        grid = [[0] * len(steps) for _ in range(rows)]  # 0 none yet, 1 given back, 2 held
+        for s, table in enumerate(group):
+            for i, block in enumerate(table):
+                grid[i][s] = 1 if block is None else 2
+                if block is not None and len(steps) * rows <= 1200:
+                    ax.text(s, i, str(block), ha="center", va="center", fontsize=6)
+        ax.imshow(grid, cmap=cmap, vmin=0, vmax=2, origin="lower", aspect="auto")
+        held = max((sum(b is not None for b in t) for t in group), default=0)
+        ax.set(title=f"{label}\nat most {held} held", xlabel="step")
+        ax.set_xticks(range(len(steps)))
+        ax.set_xticklabels([str(s) if k % 4 == 0 else "" for k, s in enumerate(steps)])
+    axes[0].set_ylabel("the request's block (logical)")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     return fig
