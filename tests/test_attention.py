@@ -41,9 +41,10 @@ def random_cache(num_blocks, block_size, seed=0):
     return torch.randn(shape, generator=g, dtype=DT), torch.randn(shape, generator=g, dtype=DT)
 
 
-def dense_attention(q, keys, values, query_positions, sliding_window=None):
+def dense_attention(q, keys, values, query_positions, sliding_window=None, sinks=None):
     """q: (n, HEADS, D) at absolute query_positions; keys/values: (ctx, KV_HEADS, D) at positions
-    0..ctx-1."""
+    0..ctx-1; sinks: (HEADS,), gpt-oss's logit per head, one more column of every softmax that is
+    dropped after it."""
     group = HEADS // KV_HEADS
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, keys) * SCALE
@@ -52,7 +53,20 @@ def dense_attention(q, keys, values, query_positions, sliding_window=None):
     if sliding_window is not None:
         allowed &= k_pos[None, :] > torch.as_tensor(query_positions)[:, None] - sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:  # (HEADS, n, ctx + 1): the sink's column last
+        sink_column = sinks[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.cat((scores, sink_column), dim=-1).softmax(-1)[..., :-1]
+        return torch.einsum("hqk,khd->qhd", probs, values)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+def random_sinks(with_sinks: bool):
+    """gpt-oss's sinks, large enough to take much of a row's mass, or None."""
+    return (
+        torch.randn(HEADS, dtype=DT, generator=torch.Generator().manual_seed(7)) * 2
+        if with_sinks
+        else None
+    )
 
 
 def cached_tokens(cache, table, ctx, block_size):
@@ -62,7 +76,8 @@ def cached_tokens(cache, table, ctx, block_size):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("sliding_window", [None, 3])
-def test_decode_attention_equals_dense_masked_attention(block_size, sliding_window):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_decode_attention_equals_dense_masked_attention(block_size, sliding_window, with_sinks):
     num_blocks = 40
     k_cache, v_cache = random_cache(num_blocks, block_size)
     rng = random.Random(block_size)
@@ -75,13 +90,40 @@ def test_decode_attention_equals_dense_masked_attention(block_size, sliding_wind
         tables.append([ids.pop() for _ in range(n)])
     meta = AttentionMetadata.build(tables, context_lens, [1] * 4, 4, block_size, num_blocks)
     q = torch.randn(4, HEADS, HEAD_DIM, dtype=DT)
+    sinks = random_sinks(with_sinks)
     out = decode_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.context_lens, SCALE, sliding_window
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.context_lens,
+        SCALE,
+        sliding_window,
+        None,
+        sinks,
     )
     for i, (table, ctx) in enumerate(zip(tables, context_lens)):
         keys = cached_tokens(k_cache, table, ctx, block_size)
         values = cached_tokens(v_cache, table, ctx, block_size)
-        expected = dense_attention(q[i : i + 1], keys, values, [ctx - 1], sliding_window)[0]
+        expected = dense_attention(q[i : i + 1], keys, values, [ctx - 1], sliding_window, sinks)[0]
+        torch.testing.assert_close(out[i], expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_decode_rows_of_several_queries_apply_the_sinks(sliding_window):
+    # a speculative row's 1 + k queries share one gather: each query slot and head its own sink
+    block_size, num_blocks = 4, 12
+    k_cache, v_cache = random_cache(num_blocks, block_size, seed=3)
+    tables, lens = torch.tensor([[3, 7, 1], [5, 2, 12]]), torch.tensor([10, 7])
+    q = torch.randn(2, 3, HEADS, HEAD_DIM, dtype=DT)  # (rows, Q, heads, head_dim)
+    sinks = random_sinks(True)
+    out = decode_attention(q, k_cache, v_cache, tables, lens, SCALE, sliding_window, None, sinks)
+    for i in range(2):
+        ctx = int(lens[i])
+        keys = cached_tokens(k_cache, tables[i].tolist(), ctx, block_size)
+        values = cached_tokens(v_cache, tables[i].tolist(), ctx, block_size)
+        positions = list(range(ctx - 3, ctx))
+        expected = dense_attention(q[i], keys, values, positions, sliding_window, sinks)
         torch.testing.assert_close(out[i], expected, rtol=0, atol=1e-12)
 
 
@@ -142,8 +184,9 @@ def test_padded_rows_write_only_the_sink_and_do_not_change_real_rows():
     "causal_devices", [("cuda",), ("cuda", "cpu")]
 )  # the second: whole prompts with is_causal
 @pytest.mark.parametrize("explicit_scores_max", [0, 2**24])  # masked chunks: SDPA / explicit
+@pytest.mark.parametrize("with_sinks", [False, True])
 def test_prefill_attention_over_a_cached_prefix_equals_dense_causal_attention(
-    sliding_window, causal_devices, explicit_scores_max, monkeypatch
+    sliding_window, causal_devices, explicit_scores_max, with_sinks, monkeypatch
 ):
     monkeypatch.setattr(minicb.model_executor.attention, "CAUSAL_FLASH_DEVICES", causal_devices)
     monkeypatch.setattr(
@@ -157,7 +200,8 @@ def test_prefill_attention_over_a_cached_prefix_equals_dense_causal_attention(
     meta = AttentionMetadata.build(tables, context_lens, query_lens, 1, block_size, num_blocks)
     n = sum(query_lens)
     q, k, v = (torch.randn(n, h, HEAD_DIM, dtype=DT) for h in (HEADS, KV_HEADS, KV_HEADS))
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, sliding_window)
+    sinks = random_sinks(with_sinks)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, sliding_window, None, sinks)
     assert out.shape == (n, HEADS, HEAD_DIM)
 
     start = 0
@@ -166,8 +210,9 @@ def test_prefill_attention_over_a_cached_prefix_equals_dense_causal_attention(
         values = cached_tokens(v_cache, table, ctx, block_size)
         # stored
         torch.testing.assert_close(keys[ctx - qlen :], k[start : start + qlen], rtol=0, atol=0)
+        positions = list(range(ctx - qlen, ctx))
         expected = dense_attention(
-            q[start : start + qlen], keys, values, list(range(ctx - qlen, ctx)), sliding_window
+            q[start : start + qlen], keys, values, positions, sliding_window, sinks
         )
         torch.testing.assert_close(out[start : start + qlen], expected, rtol=0, atol=1e-12)
         start += qlen

@@ -208,11 +208,13 @@ def test_replay_with_new_contents_matches_eager(loaded, block_size, max_len):
 def narrow_to_host_max(real):
     """A regression: gather only as many blocks as the longest context, taken from a host list."""
 
-    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, quant=None):
+    def paged_attention(
+        q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, quant=None, sinks=None
+    ):
         # Python max(): frozen at capture
         width = -(-max(meta.context_lens_host) // k_cache.shape[1])
         meta = dataclasses.replace(meta, block_tables=meta.block_tables[:, :width])
-        return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant)
+        return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant, sinks)
 
     return paged_attention
 
@@ -233,18 +235,22 @@ def test_a_width_from_python_max_is_caught(loaded, monkeypatch):
 
 
 def width_from_item(real):
-    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, quant=None):
+    def paged_attention(
+        q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, quant=None, sinks=None
+    ):
         # a device value read on the host
         width = -(-int(meta.context_lens.max()) // k_cache.shape[1])
         meta = dataclasses.replace(meta, block_tables=meta.block_tables[:, :width])
-        return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant)
+        return real(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant, sinks)
 
     return paged_attention
 
 
 def keep_live_rows(real):
-    def paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, quant=None):
-        out = real(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant)
+    def paged_attention(
+        q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, quant=None, sinks=None
+    ):
+        out = real(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant, sinks)
         live = meta.context_lens > 1
         out[live] = out[live] * 1.0  # boolean-mask indexing: its shape depends on the data
         return out
@@ -396,6 +402,7 @@ def test_uniform_verify_batches_replay_their_own_graphs(loaded, backend):
         "mixtral",
         "deepseek_v3",
         "gemma3",
+        "gpt_oss",
     ],
 )
 def arch_model(request, tmp_path_factory):

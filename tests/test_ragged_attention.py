@@ -51,6 +51,25 @@ def test_grouped_equals_the_padded_reference(seed, block_size, kv_heads, group):
     assert sorted(r for rows in groups.rows for r in rows.tolist()) == list(range(batch))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_grouped_applies_the_sinks_as_the_padded_reference_does(seed):
+    # gpt-oss's full-attention layers take the CPU decode groups: each head's sink in each softmax
+    q, k_cache, v_cache, tables, lens, sink = ragged_batch(seed, 17, 4, 2, 2, max_blocks=12)
+    sinks = torch.randn(4, dtype=torch.float64) * 2
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [sink] * (width - len(t)) for t in tables])
+    expected = decode_attention(
+        q, k_cache, v_cache, padded, torch.tensor(lens), 0.3, None, None, sinks
+    )
+    assert not torch.allclose(
+        expected, decode_attention(q, k_cache, v_cache, padded, torch.tensor(lens), 0.3)
+    )
+    groups = decode_groups(tables, lens, 4, sink, torch.float64, "cpu")
+    assert len(groups.rows) > 1  # several groups: the scatter back is exercised too
+    got = grouped_decode_attention(q, k_cache, v_cache, groups, 0.3, None, sinks)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_groups_are_only_as_wide_as_their_widest_row():
     tables = [[7] * n for n in [2, 2, 3, 20, 2, 3]]
     groups = decode_groups(tables, [16 * len(t) for t in tables], 16, 0, torch.float32, "cpu")

@@ -15,7 +15,8 @@ chunks. A decode row has 1 query token, or 1 + k when it verifies k speculative 
 vLLM V1 (an attention backend's `reorder_batch_threshold`, `split_decodes_and_prefills`), such a
 row is still a decode, ONE row whose tokens attend causally within it and to its cache, which is
 read once for all of them. Grouped-query attention (Ainslie et al., 2023): `group` query heads
-share one kv head; we reshape the queries instead of copying K/V `group` times.
+share one kv head; we reshape the queries instead of copying K/V `group` times. gpt-oss's attention
+sinks (`sinks`, one logit per query head in every softmax) take every path: attention_sinks.py.
 """
 
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import cdiv
+from .attention_sinks import sdpa_with_sinks, sink_rows
 from .cpu_attention import masked_chunk_attention
 from .paged_flash import flash_pages_attention
 from .ragged_attention import grouped_decode_attention
@@ -182,7 +184,15 @@ def store_kv(k, v, k_cache, v_cache, cache_locs, quant=None) -> None:
 
 
 def decode_attention(
-    q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None, quant=None
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale,
+    sliding_window=None,
+    quant=None,
+    sinks=None,
 ):
     """A few queries per sequence against its cached context, the cache gathered once per row.
 
@@ -231,12 +241,13 @@ def decode_attention(
     mask = allowed[:, None, :, None, :]  # (B, 1, Q, 1, max_len): over kv heads and the group
     if num_queries > 1:  # a row's Q x group queries each with its own mask
         mask = mask.expand(batch, 1, num_queries, group, max_len)
-    out = F.scaled_dot_product_attention(
+    out = sdpa_with_sinks(
         rows.reshape(batch, kv_heads, num_queries * group, head_dim),  # (B, kv, Q * group, hd)
         k.transpose(1, 2),  # (B, kv_heads, max_len, head_dim), a strided view
         v.transpose(1, 2),
-        attn_mask=mask.reshape(batch, 1, -1, max_len),
-        scale=scale,
+        mask.reshape(batch, 1, -1, max_len),
+        scale,
+        None if sinks is None else sink_rows(sinks, kv_heads, num_queries),
     )
     # (B, kv, Q, group, hd) -> (B, Q, num_heads, hd)
     out = out.view(batch, kv_heads, num_queries, group, head_dim).transpose(1, 2)
@@ -261,7 +272,16 @@ def unpad_decode_outputs(out, meta: "AttentionMetadata"):
 
 
 def prefill_attention(
-    q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, quant=None
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale,
+    sliding_window=None,
+    quant=None,
+    sinks=None,
 ):
     """Causal attention for every prefill chunk of the batch (sequences num_decodes..num_seqs-1).
 
@@ -298,7 +318,10 @@ def prefill_attention(
         # attention; with a mask and GQA it falls back to a kernel that writes every score (9.7 GiB
         # for 8,192 tokens, H200).
         causal = (
-            prefix_len == 0 and sliding_window is None and q.device.type in CAUSAL_FLASH_DEVICES
+            prefix_len == 0
+            and sliding_window is None
+            and sinks is None
+            and q.device.type in CAUSAL_FLASH_DEVICES
         )
         if causal:  # SDPA wants (heads, len, head_dim); enable_gqa shares kv heads across groups
             out = F.scaled_dot_product_attention(
@@ -310,13 +333,22 @@ def prefill_attention(
                 enable_gqa=True,
             )
         else:  # SDPA with the mask, or on a CPU softmax(q K^T) V from the definition
-            out = masked_chunk_attention(q[start:end], keys, values, allowed, scale)
+            out = masked_chunk_attention(q[start:end], keys, values, allowed, scale, sinks)
         outs.append(out.transpose(0, 1))
     return torch.cat(outs)
 
 
 def paged_attention(
-    q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, quant=None
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale,
+    sliding_window=None,
+    quant=None,
+    sinks=None,
 ):
     """Store this step's K/V, then attend: decodes first, prefill chunks after.
 
@@ -332,18 +364,20 @@ def paged_attention(
             parts.append(flash_pages_attention(q_dec, k_cache, v_cache, meta.pages, scale, k, v))
         elif meta.decode_groups is not None and sliding_window is None:
             parts.append(
-                grouped_decode_attention(q_dec, k_cache, v_cache, meta.decode_groups, scale, quant)
+                grouped_decode_attention(
+                    q_dec, k_cache, v_cache, meta.decode_groups, scale, quant, sinks
+                )
             )
         else:
             tables = meta.block_tables[:nd]
             lens = meta.context_lens[:nd]
             padded = pad_decode_queries(q_dec, meta)  # (nd, Q, H, D)
             out = decode_attention(
-                padded, k_cache, v_cache, tables, lens, scale, sliding_window, quant
+                padded, k_cache, v_cache, tables, lens, scale, sliding_window, quant, sinks
             )
             parts.append(unpad_decode_outputs(out, meta))
     if meta.num_seqs > nd:
         parts.append(
-            prefill_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant)
+            prefill_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, quant, sinks)
         )
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -8,7 +8,8 @@ query heads that share a kv head stacked into one matmul, was faster at every si
 """
 
 import torch
-import torch.nn.functional as F
+
+from .attention_sinks import sdpa_with_sinks
 
 # A masked chunk whose scores (query heads x queries x keys) number at most this many is computed
 # as softmax(q K^T) V with plain matmuls on a CPU; bigger ones go to SDPA (masked_chunk_attention).
@@ -16,11 +17,13 @@ EXPLICIT_SCORES_MAX = 2**24  # 64 MiB of float32 scores
 EXPLICIT_SCORES_DEVICES = ("cpu",)
 
 
-def masked_chunk_attention(q, keys, values, allowed, scale):
+def masked_chunk_attention(q, keys, values, allowed, scale, sinks=None):
     """One sequence's chunk of queries against its keys under a boolean mask.
 
     q: (query_len, num_heads, head_dim); keys/values: (context_len, kv_heads, head_dim); allowed:
-    (query_len, context_len). Returns (num_heads, query_len, head_dim).
+    (query_len, context_len); sinks: (num_heads,) or None, a logit per head that joins each softmax
+    and is dropped after it (gpt-oss: attention_sinks.py). Returns (num_heads, query_len,
+    head_dim).
 
     On a CPU, SDPA with a mask and enable_gqa is slow for a short chunk deep in a long context
     (the chunks a time-bounded step gives): it pays for every query head's pass over the keys.
@@ -35,12 +38,13 @@ def masked_chunk_attention(q, keys, values, allowed, scale):
     kv_heads = keys.shape[1]
     num_scores = num_heads * query_len * keys.shape[0]
     if num_scores > EXPLICIT_SCORES_MAX or q.device.type not in EXPLICIT_SCORES_DEVICES:
-        return F.scaled_dot_product_attention(
+        return sdpa_with_sinks(
             q.transpose(0, 1),
             keys.transpose(0, 1),
             values.transpose(0, 1),
-            attn_mask=allowed,
-            scale=scale,
+            allowed,
+            scale,
+            None if sinks is None else sinks[:, None, None],  # (num_heads, 1, 1)
             enable_gqa=True,
         )
     group = num_heads // kv_heads
@@ -51,6 +55,10 @@ def masked_chunk_attention(q, keys, values, allowed, scale):
     masked.masked_fill_(~allowed, float("-inf"))  # 0 where allowed, -inf elsewhere
     # scores = masked + scale * rows @ K^T: (kv_heads, group * query_len, context_len)
     scores = torch.baddbmm(masked.repeat(group, 1), rows, keys.permute(1, 2, 0), alpha=scale)
+    if sinks is not None:  # one more column, the head's sink, in the softmax and dropped after it
+        sink_col = sinks.view(kv_heads, group, 1).expand(kv_heads, group, query_len)
+        scores = torch.cat((scores, sink_col.reshape(kv_heads, -1, 1).to(scores.dtype)), dim=-1)
     # float32 scores are exponentiated and summed in float32, as SDPA's math path does
-    out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1))
+    probs = torch.softmax(scores, dim=-1)[..., : keys.shape[0]]
+    out = torch.bmm(probs, values.transpose(0, 1))
     return out.view(kv_heads, group, query_len, head_dim).flatten(0, 1)

@@ -86,6 +86,12 @@ def sliding_window_of(hf_config, layer_idx: int) -> int | None:
     return window if hf_config.model_type in ("mistral", "mixtral", "qwen3_moe") else None
 
 
+def has_attention_sinks(hf_config) -> bool:
+    """Whether every softmax of the attention holds a learned logit per head (gpt-oss's sinks:
+    attention_sinks.py)."""
+    return getattr(hf_config, "model_type", None) == "gpt_oss"
+
+
 def rope_layer_type_of(hf_config, layer_idx: int) -> str | None:
     """The key of this layer's RoPE parameters where they differ by layer type (Gemma 3:
     "sliding_attention" and "full_attention", each with its own theta and scaling), or None where

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .hf_config import head_dim_of, sliding_window_of
+from .hf_config import has_attention_sinks, head_dim_of, sliding_window_of
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -280,7 +280,7 @@ def _multi_query_pages(q, k_cache, v_cache, pairs: PagePairs, scale: float, k, v
 
 
 def flash_pages_supported(
-    device, dtype, head_dim: int, quantized: bool, sliding_window
+    device, dtype, head_dim: int, quantized: bool, sliding_window, sinks: bool = False
 ) -> str | None:
     """None when flash pages can run here, else why not (the padded gather runs instead). On CPU it
     runs only when asked for (attention_backend="flash_pages"), through
@@ -290,6 +290,8 @@ def flash_pages_supported(
         return "the KV cache is quantized (fp8): the kernel reads only the model's dtype"
     if sliding_window is not None:
         return "the model uses a sliding window"
+    if sinks:  # the combine of the pages' partials has no term for a sink's share of the mass
+        return "the model has attention sinks (gpt-oss)"
     if device.type != "cuda":
         return None
     if dtype not in FLASH_DTYPES:
@@ -315,6 +317,7 @@ def choose_attention_backend(config, hf_config, quantized: bool) -> str:
         head_dim_of(hf_config),
         quantized,
         next(iter(windows), None),
+        has_attention_sinks(hf_config),
     )
     if config.attention_backend == "flash_pages" and why is not None:
         raise ValueError(

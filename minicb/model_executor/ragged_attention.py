@@ -23,7 +23,8 @@ leading slots repeat its first query and are dropped after.
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+from .attention_sinks import sdpa_with_sinks, sink_rows
 
 # What one more group costs, in row-blocks (one row's block of 16 tokens gathered and scored): the
 # fixed cost of a gather and an SDPA call on a 2-core CPU is about that of 16 such row-blocks.
@@ -141,9 +142,11 @@ def decode_groups(
     return DecodeGroups(rows, queries, tables, masks, real_slots, starts[-1], in_order)
 
 
-def grouped_decode_attention(q, k_cache, v_cache, groups: DecodeGroups, scale, quant=None):
+def grouped_decode_attention(
+    q, k_cache, v_cache, groups: DecodeGroups, scale, quant=None, sinks=None
+):
     """decode_attention's result, group by group. q: (num_decode_tokens, num_heads, head_dim) ->
-    the same shape."""
+    the same shape. sinks: (num_heads,) gpt-oss's logit per head (attention_sinks.py), or None."""
     _, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group_size = num_heads // kv_heads  # query heads per kv head (grouped-query attention)
@@ -159,12 +162,13 @@ def grouped_decode_attention(q, k_cache, v_cache, groups: DecodeGroups, scale, q
         q_g = q if groups.in_order else q.index_select(0, queries)  # (G * Q, H, D)
         # (G, kv, Q * group, hd): a row's Q queries of the heads sharing a kv head, slot major
         rows = q_g.view(g, slots, kv_heads, group_size, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
+        o = sdpa_with_sinks(
             rows.reshape(g, kv_heads, slots * group_size, head_dim),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=groups.mask(i, group_size),
-            scale=scale,
+            groups.mask(i, group_size),
+            scale,
+            None if sinks is None else sink_rows(sinks, kv_heads, slots),
         )
         # (G, kv, Q, group, hd) -> (G * Q, H, D)
         o = o.view(g, kv_heads, slots, group_size, head_dim).transpose(1, 2)
