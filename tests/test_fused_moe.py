@@ -1,6 +1,8 @@
 """The fused mixture of experts (model_executor/fused_moe.py) against the loop over experts, the
 router against transformers', and what the engine records of each step's routing."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from minicb.model_executor.fused_moe import (
     sort_by_expert,
     tokens_per_expert,
 )
+from minicb.model_executor.gpt_oss import GptOssRouter, gpt_oss_weights, swigluoai
 from minicb.model_executor.loader import load_model, save_tiny_model
 from minicb.worker.graph_safety import NoHostReads
 
@@ -238,3 +241,58 @@ def test_a_deepseek_moe_layer_has_its_router_and_shared_expert(tmp_path):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm.generate([[5, 6, 7]], params, use_tqdm=False)
     assert all(len(s.expert_load) == 1 and len(s.expert_load[0]) == 8 for s in llm.engine.trace)
+
+
+# --- gpt-oss: a router with a bias, experts with biases, interleaved gate/up, clamped SwiGLU ----
+
+
+def gpt_oss_experts_and_router(seed=0):
+    """transformers' gpt-oss router and experts on random weights (the gate and up columns large
+    enough that the clamps at swiglu_limit bite), and the state dict a checkpoint holds."""
+    config = transformers.GptOssConfig(
+        hidden_size=16, intermediate_size=8, num_local_experts=6, num_experts_per_tok=2
+    )
+    config.swiglu_limit = 1.5
+    modeling = transformers.models.gpt_oss.modeling_gpt_oss
+    experts, router = modeling.GptOssExperts(config), modeling.GptOssTopKRouter(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in [*experts.parameters(), *router.parameters()]:
+            p.copy_(torch.randn(p.shape, generator=g))
+    prefix = "model.layers.0.mlp."
+    hf = {prefix + "experts." + n: p.double() for n, p in experts.named_parameters()}
+    hf |= {prefix + "router." + n: p.double() for n, p in router.named_parameters()}
+    return config, experts.double(), router.double(), hf
+
+
+def test_gpt_oss_router_is_transformers_router():
+    config, _, hf_router, hf = gpt_oss_experts_and_router()
+    router = GptOssRouter(16, 6, 2).double()
+    weights = gpt_oss_weights(hf)
+    router.load_state_dict({n: weights[f"model.layers.0.mlp.gate.{n}"] for n in ("weight", "bias")})
+    x = torch.randn(13, 16, dtype=torch.float64)
+    _, hf_weights, hf_ids = hf_router(x)
+    weights, ids = router(x)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+
+
+@pytest.mark.parametrize("method", ["loop", *F64_METHODS])
+def test_gpt_oss_experts_are_transformers_experts(method):
+    """The checkpoint's interleaved, transposed gate_up and its biases, split and stacked as
+    FusedMoE keeps them, with the clamped SwiGLU: transformers' experts' outputs, on every path."""
+    config, hf_experts, _, hf = gpt_oss_experts_and_router(seed=1)
+    weights = gpt_oss_weights(hf)
+    x = torch.randn(9, 16, dtype=torch.float64) * 3
+    ids = torch.rand(9, 6).argsort(dim=1)[:, :2]
+    topk_weights = torch.rand(9, 2, dtype=torch.float64)
+    gate_up = F.linear(x, weights["model.layers.0.mlp.experts.w13_weight"][0])
+    assert (gate_up.abs() > config.swiglu_limit).float().mean() > 0.2  # the clamps bite
+    glu = partial(swigluoai, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+    stacked = [weights[f"model.layers.0.mlp.experts.{n}"] for n in ("w13_weight", "w2_weight")]
+    biases = {n: weights[f"model.layers.0.mlp.experts.{n}"] for n in ("w13_bias", "w2_bias")}
+    args = (x, *stacked, topk_weights, ids, glu)
+    if method == "loop":
+        out = moe_loop(*args, **biases)
+    else:
+        out = fused_moe(*args, method=method, **biases)
+    torch.testing.assert_close(out, hf_experts(x, ids, topk_weights), rtol=1e-13, atol=1e-13)

@@ -29,7 +29,11 @@ Two ways to compute it, both here:
 
 The weights are stored as vLLM's FusedMoE stores them: `w13_weight` (E, 2 * I, hidden), each
 expert's gate and up projections stacked, and `w2_weight` (E, hidden, I), its down projection.
+gpt-oss's experts add a bias to each (`w13_bias`, `w2_bias`) and a clamped SwiGLU (gpt_oss.py): the
+expert's middle is a `glu` function of the (rows, 2 * I) gate_up rows, SwiGLU by default.
 """
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +41,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from transformers.activations import ACT2FN
 
+from .gpt_oss import GptOssRouter, swigluoai
 from .grouped_topk import GroupedTopkRouter
 from .hf_config import moe_spec_of
 
@@ -66,7 +71,7 @@ def tokens_per_expert(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     )
 
 
-def swiglu(gate_up: torch.Tensor, act) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor, act=F.silu) -> torch.Tensor:
     """(rows, 2 * I) -> (rows, I): act(gate) * up, the expert MLP's middle."""
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up
@@ -84,7 +89,9 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> 
 # --- the reference: one expert at a time -------------------------------------------------------
 
 
-def moe_loop(x, w13, w2, topk_weights, topk_ids, act=F.silu) -> torch.Tensor:
+def moe_loop(
+    x, w13, w2, topk_weights, topk_ids, glu=swiglu, w13_bias=None, w2_bias=None
+) -> torch.Tensor:
     """The unfused MoE (transformers' eager experts): for each expert, gather the tokens that picked
     it, run its MLP, add the weighted result into those tokens' rows. x: (num_tokens, hidden)."""
     out = torch.zeros_like(x)
@@ -92,8 +99,13 @@ def moe_loop(x, w13, w2, topk_weights, topk_ids, act=F.silu) -> torch.Tensor:
         token_idx, choice = torch.where(topk_ids == e)  # a data-dependent shape: eager only
         if token_idx.numel() == 0:
             continue
-        h = swiglu(F.linear(x[token_idx], w13[e]), act)  # (tokens of e, I)
-        y = F.linear(h, w2[e]) * topk_weights[token_idx, choice, None].to(x.dtype)
+        gate_up = F.linear(x[token_idx], w13[e])  # (tokens of e, 2 * I)
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[e]
+        y = F.linear(glu(gate_up), w2[e])  # (tokens of e, hidden)
+        if w2_bias is not None:
+            y = y + w2_bias[e]
+        y = y * topk_weights[token_idx, choice, None].to(x.dtype)
         out.index_add_(0, token_idx, y)
     return out
 
@@ -141,7 +153,9 @@ def grouped_linear(
     raise ValueError(f"unknown fused MoE method {method!r}; choose one of {', '.join(METHODS)}")
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, act=F.silu, method: str = "auto"):
+def fused_moe(
+    x, w13, w2, topk_weights, topk_ids, glu=swiglu, method="auto", w13_bias=None, w2_bias=None
+):
     """The fused MoE (vLLM's fused_experts): route-sorted rows, two grouped matmuls, combine.
     x: (num_tokens, hidden) -> (num_tokens, hidden). `method`: "auto" picks grouped_mm where
     PyTorch has it, else "segments" in eager steps and "padded" inside a captured graph."""
@@ -150,11 +164,17 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, act=F.silu, method: str = "aut
     x_sorted = x[order // top_k]  # (num_tokens * top_k, hidden): each token once per choice
     # a token picks an expert at most once: no expert gets more than num_tokens rows
     runs = (expert_of_row, counts, method, x.shape[0])
-    h = swiglu(grouped_linear(x_sorted, w13, *runs), act)
-    y_sorted = grouped_linear(h, w2, *runs)  # (rows, hidden)
+    gate_up = add_expert_bias(grouped_linear(x_sorted, w13, *runs), w13_bias, expert_of_row)
+    y_sorted = add_expert_bias(grouped_linear(glu(gate_up), w2, *runs), w2_bias, expert_of_row)
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted  # back to (token, choice) order
     return combine(y, topk_weights, x.dtype)
+
+
+def add_expert_bias(y, bias, expert_of_row) -> torch.Tensor:
+    """Each sorted row's expert's bias added (gpt-oss), y as it is where the experts have none.
+    A gather by row, static in shape: safe inside a CUDA graph."""
+    return y if bias is None else y + bias[expert_of_row]
 
 
 def auto_method(x: torch.Tensor) -> str:
@@ -191,21 +211,30 @@ def capturing() -> bool:
 
 class FusedMoE(nn.Module):
     """The experts of one MoE layer, stacked (vLLM's FusedMoE): w13_weight (E, 2 * I, hidden),
-    w2_weight (E, hidden, I). With expert parallelism a rank holds a contiguous slice of them."""
+    w2_weight (E, hidden, I), and with `bias` (gpt-oss) w13_bias (E, 2 * I), w2_bias (E, hidden).
+    `glu`: (rows, 2 * I) gate_up -> (rows, I). With expert parallelism a rank holds a contiguous
+    slice of them."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, glu, bias: bool = False
+    ):
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.act = act
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.glu = glu
         self.method = "auto"  # or "loop": the reference, for a notebook or a test to compare
 
     def forward(self, x, topk_weights, topk_ids):
+        args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.glu)
+        biases = dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
         if self.method == "loop":
-            return moe_loop(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act)
-        args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act)
-        return fused_moe(*args, method=self.method)
+            return moe_loop(*args, **biases)
+        return fused_moe(*args, method=self.method, **biases)
 
     def extra_repr(self):
         return (
@@ -225,10 +254,11 @@ class SparseMoeBlock(nn.Module):
         top_k,
         intermediate_size,
         renormalize,
-        act,
+        glu,
         num_local_experts=None,
         router=None,
         shared_experts=None,
+        expert_bias=False,
     ):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -236,7 +266,7 @@ class SparseMoeBlock(nn.Module):
         # (DeepSeek-V3's: grouped_topk.py)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False) if router is None else router
         local = num_experts if num_local_experts is None else num_local_experts
-        self.experts = FusedMoE(local, hidden_size, intermediate_size, act)
+        self.experts = FusedMoE(local, hidden_size, intermediate_size, glu, expert_bias)
         self.shared_experts = shared_experts  # an MLP every token runs through too (DeepSeek)
         self.last_load = None
 
@@ -263,19 +293,25 @@ def moe_block(cfg, layer_idx: int, mlp_class) -> SparseMoeBlock | None:
     if spec is None:
         return None
     router = shared = None
+    glu = partial(swiglu, act=ACT2FN[cfg.hidden_act])
     if cfg.model_type == "deepseek_v3":  # grouped sigmoid routing, and shared experts
         router = GroupedTopkRouter(cfg)
         shared = mlp_class(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
+    is_gpt_oss = cfg.model_type == "gpt_oss"
+    if is_gpt_oss:  # top_k logits then softmax, experts with biases and a clamped SwiGLU
+        router = GptOssRouter(cfg.hidden_size, spec.num_experts, spec.top_k)
+        glu = partial(swigluoai, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
     return SparseMoeBlock(
         cfg.hidden_size,
         spec.num_experts,
         spec.top_k,
         spec.intermediate_size,
         spec.renormalize,
-        ACT2FN[cfg.hidden_act],
+        glu,
         num_local_experts=spec.num_experts // getattr(cfg, "ep_size", 1),
         router=router,
         shared_experts=shared,
+        expert_bias=is_gpt_oss,
     )
 
 

@@ -13,12 +13,15 @@ Mixtral's `block_sparse_moe.experts.7.w1`, with w1 = gate, w3 = up, w2 = down); 
 as vLLM's FusedMoE does: `experts.w13_weight` (E, 2 * I, hidden) and `experts.w2_weight`
 (E, hidden, I). transformers 5 keeps them stacked in memory already (`experts.gate_up_proj`,
 `experts.down_proj`); `per_expert_names` turns every layout into the first, which tensor-parallel
-sharding also reads.
+sharding also reads. gpt-oss keeps its experts stacked and transposed, with biases and gate and up
+interleaved: gpt_oss.gpt_oss_weights turns them into minicb's stacked names before anything else.
 """
 
 import re
 
 import torch
+
+from .gpt_oss import gpt_oss_weights
 
 MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 EXPERT = re.compile(r"(.*\.)experts\.(\d+)\.(\w+)\.weight$")  # prefix, expert, projection
@@ -74,6 +77,8 @@ def hf_names(name: str) -> list[str]:
 def load_hf_weights(model, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
     """Give `model` (a CausalLM built on the meta device: shapes only) the weights of `state_dict`,
     on `device` in `dtype`."""
+    if model.config.model_type == "gpt_oss":
+        state_dict = gpt_oss_weights(state_dict)
     hf = {
         k.removeprefix("model."): t
         for k, t in per_expert_names(state_dict).items()
@@ -86,7 +91,8 @@ def load_hf_weights(model, state_dict: dict[str, torch.Tensor], dtype: torch.dty
     for name in model.state_dict():
         if name == "lm_head.weight" and model.tie_word_embeddings:
             continue
-        if name.endswith(("experts.w13_weight", "experts.w2_weight")):
+        is_per_expert = name.endswith(("experts.w13_weight", "experts.w2_weight"))
+        if is_per_expert and name not in hf:  # stacked from each expert's tensors
             num_experts = model.get_parameter(name).shape[0]
             weights[name] = expert_weight(name, hf, num_experts, dtype, device)
             continue
