@@ -87,6 +87,11 @@ def test_backend_choice():
     windowed = tiny_config("mistral", sliding_window=8)
     with pytest.raises(ValueError, match="sliding window"):
         choose_attention_backend(cpu.replace(attention_backend="flash_pages"), windowed, False)
+    # gpt-oss is windowed too, but its sinks alone would turn flash pages away: the combine of the
+    # pages' partials has no term for a sink
+    sinks = tiny_config("gpt_oss", sliding_window=None)
+    with pytest.raises(ValueError, match="attention sinks"):
+        choose_attention_backend(cpu.replace(attention_backend="flash_pages"), sinks, False)
 
 
 @pytest.mark.parametrize("name", ["bs16_cols16", "bs4_cols8_chunked", "bs1_cols40"])

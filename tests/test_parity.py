@@ -28,6 +28,7 @@ ARCHS = [
     "mixtral",
     "deepseek_v3",
     "gemma3",
+    "gpt_oss",
 ]
 rng = random.Random(0)
 # Very different prompt lengths (1..57) and output lengths (1..28); two prompts share a prefix.

@@ -115,7 +115,7 @@ class MoeSpec:
 
 def moe_spec_of(hf_config, layer_idx: int) -> MoeSpec | None:
     """The MoE shape of this layer's MLP, or None for a dense MLP."""
-    if hf_config.model_type == "mixtral":  # every layer, always renormalized
+    if hf_config.model_type in ("mixtral", "gpt_oss"):  # every layer; the top_k sum to 1
         return MoeSpec(
             hf_config.num_local_experts,
             hf_config.num_experts_per_tok,

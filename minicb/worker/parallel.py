@@ -63,6 +63,11 @@ def check_tensor_parallel(hf_config, n: int, expert_parallel: bool = False) -> N
             "tensor_parallel_size > 1 is not supported with multi-head latent attention "
             "(DeepSeek-V3) yet"
         )
+    if hf_config.model_type == "gpt_oss":  # weights.per_expert_names reads no gpt-oss experts
+        raise ValueError(
+            "tensor_parallel_size > 1 is not supported for gpt-oss yet: its sinks and its experts' "
+            "biases and interleaved gate_up are not sharded"
+        )
     if heads % n:
         raise ValueError(
             f"tensor_parallel_size={n} must divide num_attention_heads={heads} (each rank owns "
