@@ -266,13 +266,11 @@ class CausalLM(nn.Module):
         layer_types = [rope_layer_type_of(hf_config, i) for i in range(hf_config.num_hidden_layers)]
         self.rope_layer_types = list(dict.fromkeys(layer_types))
         self.layer_rope = [self.rope_layer_types.index(t) for t in layer_types]
-        # cos/sin of every position, (tables, max_position_embeddings, head_dim); from_hf fills them
+        # cos/sin of every position, (max_position_embeddings, head_dim), with a leading (tables,)
+        # dimension only when there are several; from_hf fills them
         self.max_position_embeddings = hf_config.max_position_embeddings
-        table_shape = (
-            len(self.rope_layer_types),
-            self.max_position_embeddings,
-            head_dim_of(hf_config),
-        )
+        several = (len(self.rope_layer_types),) if len(self.rope_layer_types) > 1 else ()
+        table_shape = (*several, self.max_position_embeddings, head_dim_of(hf_config))
         self.register_buffer("rope_cos", torch.empty(table_shape), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
 
@@ -286,8 +284,8 @@ class CausalLM(nn.Module):
         # names mapped, qkv and gate/up fused (weights.py)
         load_hf_weights(model, state_dict, dtype, device)
         tables = [rope_tables(hf_config, head_dim_of(hf_config), t) for t in model.rope_layer_types]
-        model.rope_cos = torch.stack([cos for cos, _ in tables]).to(device=device, dtype=dtype)
-        model.rope_sin = torch.stack([sin for _, sin in tables]).to(device=device, dtype=dtype)
+        cos, sin = (torch.stack(t) if len(t) > 1 else t[0] for t in zip(*tables))
+        model.rope_cos, model.rope_sin = (t.to(device=device, dtype=dtype) for t in (cos, sin))
         if hf_config.model_type == "gemma3_text":
             model.embed_scale = torch.tensor(hf_config.hidden_size**0.5, dtype=dtype, device=device)
         return model.requires_grad_(False).eval()
@@ -299,9 +297,12 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        # (tables, num_tokens, 1, head_dim): looked up once, shared by every head of every layer
-        # that uses the table
-        cos, sin = self.rope_cos[:, positions, None], self.rope_sin[:, positions, None]
+        # per table, (num_tokens, 1, head_dim): looked up once, shared by every head of every layer
+        # that uses the table (one table: exactly two lookups, as before Gemma 3's second)
+        tables = (self.rope_cos, self.rope_sin)
+        if self.rope_cos.dim() == 2:
+            tables = ([self.rope_cos], [self.rope_sin])
+        cos, sin = ([t[positions].unsqueeze(1) for t in ts] for ts in tables)
         metas = meta if isinstance(meta, list) else [meta] * kv_cache.num_groups
         for layer, k_cache, v_cache, quant, group, table in zip(
             self.layers,
