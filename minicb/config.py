@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 BATCHING_MODES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "vtc")  # vLLM has the first two
 PREEMPTION_MODES = ("recompute", "swap")
-DTYPES = ("float32", "float64", "float16", "bfloat16")
+DTYPES = ("float32", "float64", "float16", "bfloat16", "auto")
+QUANTIZATIONS = (None, "int8")  # model_executor/cpu_precision.py
 ATTENTION_BACKENDS = ("auto", "gather", "flash_pages")
 # kv_quant.CACHE_DTYPES
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")
@@ -26,7 +27,14 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct; else a local dir or hub id
-    dtype: str = "float32"  # float32 on CPU (no fast bf16 there); float64 for exact-parity tests
+    # float32 by default; float64 for exact-parity tests; "auto" (vLLM's name): bfloat16 on CUDA,
+    # and on a CPU bfloat16 only where the CPU multiplies it natively and the model's linears,
+    # timed once per machine, run faster in it (model_executor/cpu_precision.py), else float32
+    dtype: str = "float32"
+    # Weight quantization (vLLM's field): None, or "int8": weight-only, an int8 weight row and one
+    # scale per output channel, activations in `dtype` (a quarter of float32's weight bytes; CPU
+    # only, model_executor/cpu_precision.py)
+    quantization: str | None = None
     device: str = "cpu"  # "cpu" or "cuda"
 
     # --- paged KV memory ---
@@ -181,6 +189,7 @@ class EngineConfig:
             ("scheduling_policy", SCHEDULING_POLICIES),
             ("preemption_mode", PREEMPTION_MODES),
             ("dtype", DTYPES),
+            ("quantization", QUANTIZATIONS),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("attention_backend", ATTENTION_BACKENDS),
         ):
@@ -229,6 +238,14 @@ class EngineConfig:
             raise ValueError(
                 "CUDA graphs are not supported with tensor_parallel_size > 1: use "
                 "use_cuda_graph=False"
+            )
+        if self.quantization == "int8" and (
+            self.device.startswith("cuda") or self.tensor_parallel_size > 1
+        ):
+            raise ValueError(
+                "quantization='int8' runs on a CPU in one process (PyTorch's CPU kernel "
+                f"_weight_int8pack_mm); got device={self.device!r}, "
+                f"tensor_parallel_size={self.tensor_parallel_size}"
             )
         if self.prepack_cpu_weights not in (True, False, "auto", "other"):
             raise ValueError(

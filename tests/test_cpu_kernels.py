@@ -119,7 +119,7 @@ def test_the_chosen_kernels_are_used_and_a_tied_head_is_packed_as_a_copy(tied):
 def test_the_choice_is_measured_once_per_machine_and_cached(tied, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cpu_kernels, "TIME_PER_CASE_S", 0.001)
     cache, timed = tmp_path / "kernels.json", []
-    timer = lambda i, o, k: timed.append((i, o, k)) or {"matmul": 1.0, "onednn": 2.0}[k]
+    timer = lambda i, o, k, dtype=None: timed.append((i, o, k)) or {"matmul": 1.0, "onednn": 2.0}[k]
     model = build(tied)
     first = cpu_kernels.cached_choice(model, str(cache), timer)
     assert set(first) == {f"{i}x{o}" for i, o in cpu_kernels.linear_shapes(model)}

@@ -19,6 +19,8 @@ import torch
 from ..config import EngineConfig
 from ..core.async_scheduler import scheduler_for
 from ..core.request import Request, RequestStatus
+from ..model_executor.cpu_kernels import kernel_cache_file
+from ..model_executor.cpu_precision import resolve_dtype
 from ..model_executor.loader import LoadedModel, load_model
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -38,6 +40,10 @@ log = logging.getLogger("minicb.engine.llm_engine")
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        if config.dtype == "auto":  # timed once per machine (model_executor/cpu_precision.py)
+            loaded = loaded or load_model(config.model, torch.float32)
+            dtype = resolve_dtype("auto", config.device, loaded.hf_config, kernel_cache_file())
+            config = config.replace(dtype=dtype)
         dtype = getattr(torch, config.dtype)
         loaded = loaded or load_model(config.model, dtype)
         converts_dtype = loaded.dtype is not None and loaded.dtype != dtype

@@ -151,14 +151,26 @@ def kernel_fn(kernel: str, weight: torch.Tensor):
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def time_linear(in_features: int, out_features: int, kernel: str, batch_sizes=BATCH_SIZES) -> float:
+def time_linear(
+    in_features: int, out_features: int, kernel: str, batch_sizes=BATCH_SIZES, dtype=torch.float32
+) -> float:
     """Seconds for one product at each batch size, summed: the best of several runs per size."""
-    fn = kernel_fn(kernel, torch.randn(out_features, in_features))
+    fn = kernel_fn(kernel, torch.randn(out_features, in_features, dtype=dtype))
     total = 0.0
     for b in batch_sizes:
-        x = torch.randn(b, in_features)
+        x = torch.randn(b, in_features, dtype=dtype)
         total += best_time(lambda: fn(x), runs=3, budget_s=TIME_PER_CASE_S)
     return total
+
+
+def shape_key(in_features: int, out_features: int, dtype=torch.float32) -> str:
+    """How a shape is named in the choice and its cache: "576x1536", "576x1536 bfloat16"."""
+    name = "" if dtype == torch.float32 else " " + str(dtype).removeprefix("torch.")
+    return f"{in_features}x{out_features}{name}"
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
@@ -168,14 +180,14 @@ def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
     )
 
 
-def choose_kernels(shapes, timer=time_linear) -> dict[str, dict]:
+def choose_kernels(shapes, timer=time_linear, dtype=torch.float32) -> dict[str, dict]:
     """For each shape "in x out": both kernels' summed times and the faster one (oneDNN only if it
     exists)."""
     kernels = KERNELS if onednn_linear_available() else ("matmul",)
     choice = {}
     for i, o in shapes:
-        times = {k: timer(i, o, k) for k in kernels}
-        choice[f"{i}x{o}"] = {"kernel": min(times, key=times.get), "seconds": times}
+        times = {k: timer(i, o, k, dtype=dtype) for k in kernels}
+        choice[shape_key(i, o, dtype)] = {"kernel": min(times, key=times.get), "seconds": times}
     return choice
 
 
@@ -186,7 +198,7 @@ def machine_key() -> str:
 def cached_choice(model: nn.Module, cache_file=None, timer=time_linear) -> dict[str, dict]:
     """choose_kernels for the model's shapes, measured once per machine and kept in `cache_file`
     (JSON: machine key -> shape -> choice); None: measure without caching."""
-    shapes, key = linear_shapes(model), machine_key()
+    shapes, key, dtype = linear_shapes(model), machine_key(), model_dtype(model)
     cache = {}
     if cache_file is not None and os.path.exists(cache_file):
         try:
@@ -194,10 +206,10 @@ def cached_choice(model: nn.Module, cache_file=None, timer=time_linear) -> dict[
         except (OSError, ValueError):
             cache = {}  # a damaged cache is measured again
     known = cache.get(key, {})
-    missing = [s for s in shapes if f"{s[0]}x{s[1]}" not in known]
+    missing = [s for s in shapes if shape_key(*s, dtype) not in known]
     if missing:
         t = time.perf_counter()
-        known |= choose_kernels(missing, timer)
+        known |= choose_kernels(missing, timer, dtype)
         print(
             f"minicb: timed torch.matmul against oneDNN packed weights on {len(missing)} linear "
             f"shapes ({time.perf_counter() - t:.1f} s, once on this machine: {key})",
@@ -210,16 +222,19 @@ def cached_choice(model: nn.Module, cache_file=None, timer=time_linear) -> dict[
                     json.dump(cache | {key: known}, f, indent=1)
             except OSError:
                 pass  # a read-only cache: measured again next time
-    return {f"{i}x{o}": known[f"{i}x{o}"] for i, o in shapes}
+    return {shape_key(i, o, dtype): known[shape_key(i, o, dtype)] for i, o in shapes}
 
 
 def use_kernels(model: nn.Module, choice: dict[str, dict]) -> nn.Module:
     """Pack every linear whose shape chose oneDNN, in place. A tied LM head that chose it gets a
     packed copy of the embedding table (its bytes again: the price of the faster kernel)."""
+    dtype = model_dtype(model)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            shape = f"{getattr(child, 'in_features', 0)}x{getattr(child, 'out_features', 0)}"
-            if type(child) is nn.Linear and choice.get(shape, {}).get("kernel") == "onednn":
+            if type(child) is not nn.Linear:
+                continue
+            shape = shape_key(child.in_features, child.out_features, dtype)
+            if choice.get(shape, {}).get("kernel") == "onednn":
                 setattr(module, name, PackedLinear(child))
     return model
 
@@ -234,6 +249,17 @@ def describe(choice: dict[str, dict]) -> str:
         )
 
     return ", ".join(one(shape, c) for shape, c in choice.items())
+
+
+# the dtypes whose linears are timed and packed: float32, and bfloat16 where oneDNN has its kernels
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def kernel_cache_file():
+    """Where the machine's kernel and dtype choices are kept: beside the converted weights."""
+    from .loader import cache_dir
+
+    return cache_dir() / "cpu_kernels.json"
 
 
 # "other": run every "auto" engine on the kernels this machine did NOT choose
@@ -267,12 +293,12 @@ def prepare_cpu_linears(model: nn.Module, mode, cache_file=None) -> tuple[nn.Mod
     return (prepack_for_cpu(model) if mode else model), {}
 
 
-def gemm_peaks(n: int = 2048, repeats: int = 10) -> dict[str, float]:
+def gemm_peaks(n: int = 2048, repeats: int = 10, dtype=torch.float32) -> dict[str, float]:
     """The machine's float32 matmul speed in GFLOP/s: the best of a few n x n GEMMs, for each kernel
     PyTorch offers on a CPU. `torch.matmul` calls the BLAS (MKL); "oneDNN packed" is the kernel
     PackedLinear calls. They can differ by 2x either way (MKL takes its AVX2 path on AMD CPUs while
     oneDNN uses AVX-512 where there is one), so the machine's peak is the larger of the two."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     kernels = {"torch.matmul": lambda: a @ b}
     if onednn_linear_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(b)

@@ -15,9 +15,10 @@ After that, every step is ModelRunner.execute.
 import torch
 
 from ..config import EngineConfig
-from ..model_executor.cpu_kernels import prepare_cpu_linears
+from ..model_executor.cpu_kernels import PACKED_DTYPES, kernel_cache_file, prepare_cpu_linears
+from ..model_executor.cpu_precision import quantize_linears
 from ..model_executor.kv_quant import cache_dtype_of
-from ..model_executor.loader import LoadedModel, cache_dir
+from ..model_executor.loader import LoadedModel
 from ..model_executor.model import CausalLM
 from ..model_executor.paged_flash import choose_attention_backend
 from .kv_cache import KVCache
@@ -48,9 +49,11 @@ class Worker:
         )
         # linear shape -> the kernel it runs on (float32 on CPU), see cpu_kernels.py
         self.cpu_kernels = {}
-        if config.prepack_cpu_weights and dtype == torch.float32 and not cuda:
+        if config.quantization == "int8":  # weight-only int8 (cpu_precision.py)
+            model = quantize_linears(model)
+        if config.prepack_cpu_weights and dtype in PACKED_DTYPES and not cuda:
             model, self.cpu_kernels = prepare_cpu_linears(
-                model, config.prepack_cpu_weights, cache_dir() / "cpu_kernels.json"
+                model, config.prepack_cpu_weights, kernel_cache_file()
             )
         hf_config = self.tp.hf_config if self.tp else loaded.hf_config
         cache_dtype = cache_dtype_of(config.kv_cache_dtype, dtype)
