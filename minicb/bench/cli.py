@@ -1,5 +1,5 @@
-"""`python -m minicb bench --workload w1|w2|w3|spec|loop|all`: run the workloads defined in
-minicb/bench/__init__.py."""
+"""`python -m minicb bench --workload w1|w2|w3|spec|loop|precision|all`: run the workloads defined
+in minicb/bench/__init__.py."""
 
 import json
 
@@ -10,11 +10,12 @@ def add_arguments(parser) -> None:
     """Options of `python -m minicb bench`."""
     parser.add_argument(
         "--workload",
-        choices=["w1", "w2", "w3", "spec", "loop", "all"],
+        choices=["w1", "w2", "w3", "spec", "loop", "precision", "all"],
         default="w3",
         help="w1: CPU chat side by side; w2: GPU offline (needs CUDA); w3: scheduler overhead; "
         "spec: speculative decoding on and off, on C1 (copy-heavy) and W1; loop: the engine "
-        "loop, sync against async scheduling, on W1 and W3's shape",
+        "loop, sync against async scheduling, on W1 and W3's shape; precision: float32, "
+        "bfloat16 and int8 weights on this CPU, speed and accuracy",
     )
     parser.add_argument(
         "--sizes",
@@ -30,7 +31,9 @@ def add_arguments(parser) -> None:
         default=None,
         help=(
             "W1: a subset of hf_static hf_continuous minicb_static minicb_continuous_16 "
-            "minicb_continuous"
+            "minicb_continuous (the default: all five), and of the opt-in minicb_auto (dtype "
+            "'auto'), minicb_int8 (int8 weights) and llamacpp (llama.cpp's llama-server at the "
+            "best setting of a sweep; needs one, see minicb/bench/llamacpp.py)"
         ),
     )
     parser.add_argument(
@@ -113,6 +116,10 @@ def main(args) -> None:
 
         results["loop"] = run_loop_bench(repeats=args.repeats)
         print_loop(results["loop"])
+    if args.workload == "precision":
+        from .precision import main as precision_main
+
+        precision_main([])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

@@ -32,9 +32,10 @@ def memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     return nbytes / best_time(x.sum, runs=repeats)  # its warm-up touches every page first
 
 
-def model_sizes(loaded) -> dict[str, int]:
+def model_sizes(loaded, bytes_per_weight: float = 4) -> dict[str, int]:
     """What the FLOPs need, from a LoadedModel's weights: non-embedding parameters (layers and final
-    norm), LM head parameters, layers, and the width of attention (query heads x head dim)."""
+    norm), LM head parameters, layers, and the width of attention (query heads x head dim); and the
+    bytes one forward pass reads at `bytes_per_weight` (4 float32, 2 bfloat16, 1 int8)."""
     cfg = loaded.hf_config
     non_embedding = sum(
         t.numel()
@@ -43,13 +44,13 @@ def model_sizes(loaded) -> dict[str, int]:
     )
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    # float32, tied or not: one read
+    # tied or not: one read
     return dict(
         non_embedding=non_embedding,
         lm_head=cfg.vocab_size * cfg.hidden_size,
         layers=cfg.num_hidden_layers,
         attention_width=heads * head_dim,
-        weight_bytes=(non_embedding + cfg.vocab_size * cfg.hidden_size) * 4,
+        weight_bytes=int((non_embedding + cfg.vocab_size * cfg.hidden_size) * bytes_per_weight),
     )
 
 
@@ -69,12 +70,13 @@ def workload_flops(loaded, prompt_lens: list[int], output_lens: list[int]) -> di
 
 
 def workload_floor(
-    loaded, prompt_lens, output_lens, gemm_peak_flops: float, bandwidth: float
+    loaded, prompt_lens, output_lens, gemm_peak_flops: float, bandwidth: float, bytes_per_weight=4
 ) -> dict:
-    """Both floors in seconds, and which one binds (float32 weights, as W1 runs)."""
+    """Both floors in seconds, and which one binds, for weights of `bytes_per_weight` bytes (4:
+    float32, as W1 runs by default) multiplied at `gemm_peak_flops`."""
     flops, weight_nbytes = (
         workload_flops(loaded, prompt_lens, output_lens),
-        model_sizes(loaded)["weight_bytes"],
+        model_sizes(loaded, bytes_per_weight)["weight_bytes"],
     )
     compute = flops["total"] / gemm_peak_flops
     sequential = max(output_lens) * weight_nbytes / bandwidth
@@ -139,9 +141,12 @@ def time_linear_passes(model, rows=PASS_ROWS, runs: int = 3) -> dict[str, dict[i
     head = model.lm_head
     linears = [m for m in model.modules() if hasattr(m, "in_features") and m is not head]
     times = {"layers": {}, "lm_head": {}}
+    dtype = model.norm.weight.dtype  # the activations' dtype, whatever the linears store
     with torch.inference_mode():
         for n in rows:
-            inputs = {m.in_features: torch.randn(n, m.in_features) for m in (*linears, head)}
+            inputs = {
+                m.in_features: torch.randn(n, m.in_features, dtype=dtype) for m in (*linears, head)
+            }
             times["layers"][n] = best_time(
                 lambda: [m(inputs[m.in_features]) for m in linears], runs=runs
             )

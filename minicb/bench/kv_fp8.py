@@ -111,8 +111,8 @@ def run_variant(
 ) -> VariantResult:
     """Free-running greedy outputs first (the calculated scales come from this first forward), then
     the teacher-forced pass over `teacher` (prompt + reference continuation; None: this run's
-    own)."""
-    llm = LLM.from_loaded(loaded, dtype="float32", **cache)
+    own). `cache`: EngineConfig fields (float32 unless they set dtype)."""
+    llm = LLM.from_loaded(loaded, **({"dtype": "float32"} | cache))
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     teacher = teacher or [p + o for p, o in zip(prompts, outputs)]

@@ -29,11 +29,7 @@ from ..metrics import mean_gap, percentile, tpot
 from ..model_executor.cpu_kernels import gemm_peaks
 from ..sampling_params import SamplingParams
 from .floor import (
-    kernel_floor,
     memory_bandwidth,
-    time_linear_passes,
-    workload_floor,
-    workload_passes,
 )
 from .machine import PeakRSS, cpu_model
 
@@ -180,6 +176,7 @@ def run_hf_continuous(model, prompts, outs) -> dict:
 
 def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
     from ..engine.llm import LLM
+    from .precision import precision_name
 
     llm = LLM.from_loaded(loaded, batching=batching, **config)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
@@ -190,10 +187,10 @@ def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
     assert [len(o.outputs[0].token_ids) for o in res] == outs
     ttfts = [o.metrics.first_token_time - t0 for o in res]
     tpots = [t for o in res if (t := tpot(o.metrics, len(o.outputs[0].token_ids))) is not None]
-    trace = llm.engine.trace
-    slots = llm.engine.config.max_num_seqs
+    trace, cfg = llm.engine.trace, llm.engine.config
+    slots, precision = cfg.max_num_seqs, precision_name(cfg.dtype, cfg.quantization)
     return _result(
-        f"minicb {batching} ({slots} slots)",
+        f"minicb {batching} ({slots} slots{'' if precision == 'float32' else ', ' + precision})",
         wall,
         outs,
         ttfts,
@@ -203,6 +200,7 @@ def run_minicb(loaded, prompts, outs, batching: str, **config) -> dict:
         steps=len(trace),
         trace=trace,
         cpu_kernels=llm.engine.cpu_kernels,
+        precision=(cfg.dtype, cfg.quantization),
     )
 
 
@@ -235,18 +233,18 @@ def decode_step_roofline(loaded, batch: int = 64, context: int = 100, steps: int
     return dict(batch=batch, context=context, step_ms=1000 * step, gflops=flops / step / 1e9)
 
 
-def linears_as_minicb_runs_them(loaded, mode="auto"):
-    """The model in float32 on the CPU with each linear on the kernel the engine runs it on for this
-    `prepack_cpu_weights` mode (cpu_kernels.py; "auto" reads the choice the engine cached on this
-    machine)."""
-    import torch
+def run_llamacpp_best(prompts, outs, cooldown_s: float, sweep_out: dict) -> dict:
+    """llama.cpp's sweep (kept in `sweep_out`), then its best setting run again after the
+    cooldown."""
+    from .llamacpp import find_quantize, find_server, gguf_file, run_llamacpp, sweep
 
-    from ..model_executor.cpu_kernels import prepare_cpu_linears
-    from ..model_executor.loader import cache_dir
-    from ..model_executor.model import CausalLM
-
-    model = CausalLM.from_hf(loaded.hf_config, loaded.state_dict, torch.float32, "cpu")
-    return prepare_cpu_linears(model, mode, cache_dir() / "cpu_kernels.json")[0]
+    sweep_out |= sweep(prompts, outs)
+    best = sweep_out["best"]
+    time.sleep(cooldown_s)
+    server = find_server()
+    gguf = gguf_file(best["weight_type"], find_quantize(server))
+    row = run_llamacpp(server, gguf, best["weight_type"], best["slots"], prompts, outs)
+    return row | {"name": f"{row['name']}, {sweep_out['version']}"}
 
 
 COMPETITORS = (
@@ -256,6 +254,9 @@ COMPETITORS = (
     "minicb_continuous_16",
     "minicb_continuous",
 )
+# opt-in: minicb in dtype "auto" (bfloat16 where the CPU has it and it is faster), the same with
+# int8 weights, and llama.cpp's llama-server at the best setting a sweep finds (llamacpp.py)
+MORE_COMPETITORS = ("minicb_auto", "minicb_int8", "llamacpp")
 
 
 def run_w1(
@@ -271,10 +272,17 @@ def run_w1(
     shared or small machine runs slower after minutes of full load (on the 2-core VM this was
     written on, ~10% after a 60 s burn, recovered after 30 s idle), which would favour whoever runs
     first; the pause gives every system the same starting conditions.
+
+    "llamacpp" first sweeps llama-server's settings on W1 (llamacpp.py), then, after the cooldown,
+    runs the best one again: that run is its row. A row in another precision than float32 is priced
+    at that precision's floors and carries its accuracy against float32 (precision.py); the others
+    are priced at float32's.
     """
+    llamacpp_sweep: dict = {}
     import torch
 
     from ..model_executor.loader import DEFAULT_MODEL, cache_dir, load_model
+    from .precision import accuracy, precision_floor, precision_name
 
     torch.set_num_threads(os.cpu_count())
     loaded = load_model(None)
@@ -299,9 +307,20 @@ def run_w1(
         "minicb_continuous": lambda: run_minicb(
             loaded, prompts, outs, "continuous", **minicb_config
         ),
+        "minicb_auto": lambda: run_minicb(
+            loaded, prompts, outs, "continuous", **(minicb_config | {"dtype": "auto"})
+        ),
+        "minicb_int8": lambda: run_minicb(
+            loaded,
+            prompts,
+            outs,
+            "continuous",
+            **(minicb_config | {"dtype": "auto", "quantization": "int8"}),
+        ),
+        "llamacpp": lambda: run_llamacpp_best(prompts, outs, cooldown_s, llamacpp_sweep),
     }
     results = []
-    for name in COMPETITORS:  # always in this order, whatever order they were asked in
+    for name in COMPETITORS + MORE_COMPETITORS:  # always in this order, whatever order asked
         if name in competitors:
             if results:
                 time.sleep(cooldown_s)
@@ -311,19 +330,39 @@ def run_w1(
     time.sleep(cooldown_s)
     peaks = gemm_peaks()
     peak = max(peaks.values())
-    floor = workload_floor(loaded, [len(p) for p in prompts], outs, peak * 1e9, memory_bandwidth())
-    linears = linears_as_minicb_runs_them(loaded, minicb_config.get("prepack_cpu_weights", "auto"))
-    floor["kernels"] = kernel_floor(
-        workload_passes([len(p) for p in prompts], outs), time_linear_passes(linears), max(outs)
+    prompt_lens, bandwidth = [len(p) for p in prompts], memory_bandwidth()
+    mode = minicb_config.get("prepack_cpu_weights", "auto")
+    floor = precision_floor(
+        loaded, prompt_lens, outs, ("float32", None), peak * 1e9, bandwidth, mode
     )
+    # every other precision a minicb row ran in: its own floors (its bytes, its GEMM peak, its
+    # linears) and its accuracy against float32
+    floors = {"float32": floor}
+    others = {
+        r["precision"]
+        for r in results
+        if r.get("precision", ("float32", None)) != ("float32", None)
+    }
+    for dtype, quantization in sorted(others, key=str):
+        dtype_peak = max(gemm_peaks(dtype=getattr(torch, dtype)).values())
+        floors[precision_name(dtype, quantization)] = precision_floor(
+            loaded, prompt_lens, outs, (dtype, quantization), dtype_peak * 1e9, bandwidth, mode
+        )
+    accuracies = accuracy(loaded, [precision_name(*p) for p in others]) if others else {}
+    for r in results:
+        name = precision_name(*r.get("precision", ("float32", None)))
+        r["floor_fraction"] = floors[name]["floor_s"] / r["wall_s"]
+        if name in accuracies:
+            r["accuracy"] = accuracies[name]
     flops_per_token = 2 * loaded.num_params
     for r in results:
         r["achieved_gflops"] = r["throughput"] * flops_per_token / 1e9
         r["roofline_fraction"] = r["achieved_gflops"] / peak
-        r["floor_fraction"] = floor["floor_s"] / r["wall_s"]
     return dict(
-        machine=f"{os.cpu_count()} cores of {cpu_model()}, torch {torch.__version__}, float32",
+        machine=f"{os.cpu_count()} cores of {cpu_model()}, torch {torch.__version__}",
         floor=floor,
+        floors=floors,
+        llamacpp=llamacpp_sweep,
         cpu_kernels=cpu_kernels,
         num_requests=num_requests,
         output_tokens=sum(outs),

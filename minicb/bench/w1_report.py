@@ -46,12 +46,44 @@ def print_w1(report: dict, print_fn=print) -> None:
             f"{o['tail_s']:.1f} s; spread evenly {o['even_s']:.1f} s: at most "
             f"{f['floor_s'] / min(o['tail_s'], o['even_s']):.0%} of the floor either way"
         )
+    for name, pf in report.get("floors", {}).items():
+        if name != "float32":
+            print_fn(
+                f"  the floors for {name} (its bytes per weight, its GEMM peak "
+                f"{pf['gemm_peak_flops'] / 1e9:.0f} GFLOP/s, its linears): the machine's "
+                f"{pf['floor_s']:.1f} s ({pf['binding']} binds), the kernels' "
+                f"{pf['kernels']['kernel_s']:.1f} s; rows in {name} are priced at these"
+            )
+    for r in report["results"]:
+        if "accuracy" in r:
+            a = r["accuracy"]
+            div = ", ".join("-" if d is None else str(d) for d in a["first_divergence"])
+            print_fn(
+                f"accuracy of {r['name']} against float32: teacher-forced top-1 agreement "
+                f"{a['top1']:.1%} over {a['positions']} positions (the first W1 prompts); "
+                f"first divergence of the free-running outputs per prompt: [{div}]"
+            )
+    if report.get("llamacpp"):
+        sweep = report["llamacpp"]
+        print_fn(
+            f"llama.cpp ({sweep['version']}, {sweep['server']}): the sweep, one W1 run each: "
+            + "; ".join(f"{r['settings']} {r['throughput']:.0f} tok/s" for r in sweep["rows"])
+            + f". Best: {sweep['best']['settings']}, run again after the cooldown as its row"
+        )
     if report.get("cpu_kernels"):
         print_fn(
             "minicb's linears (chosen by timing on this machine): "
             f"{describe(report['cpu_kernels'])}"
         )
     by_key = {r.get("key"): r for r in report["results"]}
+    minicb_rows = [r for r in report["results"] if r.get("key", "").startswith("minicb")]
+    if "llamacpp" in by_key and minicb_rows:
+        best = max(minicb_rows, key=lambda r: r["throughput"])
+        print_fn(
+            f"  minicb's best here ({best['name']}) vs llama.cpp's best setting "
+            f"({by_key['llamacpp']['settings']}), same run: "
+            f"{best['throughput'] / by_key['llamacpp']['throughput']:.2f}x"
+        )
     for a, b, what in (
         ("minicb_continuous_16", "minicb_static", "continuous vs static batching, both 16 slots"),
         ("minicb_continuous", "minicb_continuous_16", "64 slots vs 16, both continuous"),
@@ -97,7 +129,10 @@ def w1_figure(report: dict):
     rs = report["results"]
     names = [r["name"].replace(" (", "\n(") for r in rs]
     y = list(range(len(rs)))
-    colors = ["#9e9e9e", "#616161", "#64b5f6", "#1e88e5", "#0d47a1"][-len(rs) :]
+    palette = dict(hf_static="#9e9e9e", hf_continuous="#616161", minicb_static="#64b5f6")
+    palette |= dict(minicb_continuous_16="#1e88e5", minicb_continuous="#0d47a1")
+    palette |= dict(minicb_auto="#6a1b9a", minicb_int8="#ad1457", llamacpp="#2e7d32")
+    colors = [palette.get(r.get("key"), "#0d47a1") for r in rs]
     fig, axes = plt.subplots(1, 3, figsize=(14, 0.9 * len(rs) + 1.8), sharey=True)
     axes[0].barh(y, [r["throughput"] for r in rs], color=colors)
     for i, r in enumerate(rs):
