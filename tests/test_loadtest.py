@@ -140,8 +140,18 @@ def test_summarize_level_counts_tokens_over_the_wall_time():
 def test_serve_command_carries_the_engine_flags():
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
-    args = p.parse_args(FLAGS + ["--no-enable-prefix-caching", "--scheduling-policy", "priority"])
+    args = p.parse_args(
+        FLAGS
+        + [
+            "--no-enable-prefix-caching",
+            "--scheduling-policy",
+            "priority",
+            "--quantization",
+            "int8",
+        ]
+    )
     cmd = serve_command(args, "/some/model", 8123, 17, in_process=True)
+    assert engine_config(args).quantization == "int8"
     assert cmd[1:4] == ["-m", "minicb", "serve"]
     serve = argparse.ArgumentParser()
     add_arguments(serve)

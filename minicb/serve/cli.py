@@ -75,7 +75,18 @@ def add_engine_arguments(parser, max_num_seqs: int = 32, max_decode_slowdown: fl
         default=None,
         help="model dir or hub id (default: embedded SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="auto: bfloat16 where this CPU multiplies it natively and it is faster (timed once)",
+    )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="int8: weight-only int8, a scale per output channel (CPU)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--max-num-seqs",
@@ -186,6 +197,7 @@ def engine_config(args, model: str | None = None):
     return EngineConfig(
         model=model or args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
