@@ -17,6 +17,10 @@ W1, mixed-length chat on the CPU (w1.py), the headline:
   - competitors: transformers `generate` in static batches of 16 (left padding), transformers'
     continuous batching, minicb static (16 slots), minicb continuous at 16 slots (the scheduler's
     own gain over static at the same batch size) and at its default 64 slots (what paging adds);
+    opt-in, minicb in dtype "auto" (bfloat16 where the CPU has it natively and it is faster), minicb
+    with int8 weights, and llama.cpp's llama-server on the same token ids through its /completion
+    endpoint, at the best weight type x slots of a sweep (llamacpp.py); a row in another precision
+    than float32 carries its teacher-forced agreement with float32 (precision.py);
   - roofline: the machine's measured float32 GEMM peak against the decode step's 2 x params FLOPs
     per token.
 

@@ -70,43 +70,58 @@ def find_quantize(server: Path) -> Path | None:
     return Path(found) if found else None
 
 
-def build(jobs: int | None = None) -> Path:
+# llama.cpp's AMX kernels (its "extra" buffer for quantized weights on Intel Xeon with AMX) died
+# with SIGILL at their first tile instruction on the 2-core Xeon VM this was written on, while
+# PyTorch's oneDNN ran AMX there; so the build leaves them out (every other vector unit stays on)
+NO_AMX = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def build(jobs: int | None = None, amx: bool = False) -> Path:
     """Download the llama-cpp-python sdist and compile llama-server and llama-quantize for this CPU;
-    returns the server's path. Minutes of compiling: run by hand, never by a test."""
+    returns the server's path. Minutes of compiling: run by hand, never by a test. The sources and
+    the build folder stay in the cache, so a second build only compiles what changed."""
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise SystemExit(f"building llama.cpp needs {tool} on PATH, and it is not there")
     dest = llamacpp_dir()
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-            + ["--dest", tmp, SDIST],
-            check=True,
-        )
-        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
-        source = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
-        build_dir = Path(tmp) / "build"
-        subprocess.run(
-            ["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release"]
-            + ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
-            + ["-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"],
-            check=True,
-        )
-        subprocess.run(
-            ["cmake", "--build", str(build_dir), "--config", "Release"]
-            + ["-j", str(jobs or os.cpu_count() or 1)]
-            + ["--target", "llama-server", "llama-quantize"],
-            check=True,
-        )
-        (dest / "bin").mkdir(parents=True, exist_ok=True)
-        for name in ("llama-server", "llama-quantize"):
-            shutil.copy2(build_dir / "bin" / name, dest / "bin" / name)
+    sources = dest / "src"
+    if not sources.is_dir():
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+                + ["--dest", tmp, SDIST],
+                check=True,
+            )
+            sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.move(next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")), sources)
+    build_dir = dest / "build"
+    flags = (
+        [] if amx else NO_AMX + [f"-DCMAKE_{lang}_FLAGS={NO_AMX_FLAGS}" for lang in ("C", "CXX")]
+    )
+    subprocess.run(
+        ["cmake", "-S", str(sources), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release"]
+        + ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
+        + ["-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+        + flags,
+        check=True,
+    )
+    subprocess.run(
+        ["cmake", "--build", str(build_dir), "--config", "Release"]
+        + ["-j", str(jobs or os.cpu_count() or 1)]
+        + ["--target", "llama-server", "llama-quantize"],
+        check=True,
+    )
+    (dest / "bin").mkdir(parents=True, exist_ok=True)
+    for name in ("llama-server", "llama-quantize"):
+        shutil.copy2(build_dir / "bin" / name, dest / "bin" / name)
     print(
-        f"built llama-server and llama-quantize from {SDIST} into {dest / 'bin'} "
-        f"in {(time.perf_counter() - started) / 60:.1f} minutes"
+        f"built llama-server and llama-quantize from {SDIST} ({'with' if amx else 'without'} "
+        f"AMX) into {dest / 'bin'} in {(time.perf_counter() - started) / 60:.1f} minutes"
     )
     return dest / "bin" / "llama-server"
 
@@ -140,10 +155,13 @@ def gguf_file(weight_type: str, quantize: Path | None) -> Path:
 
 
 def server_version(server: Path) -> str:
-    """llama-server's own `--version` line (its build number and commit)."""
+    """llama-server's own `--version` line, and the sdist it came from when `build` made it (its
+    sources carry no git commit)."""
     done = subprocess.run([str(server), "--version"], capture_output=True, text=True)
     lines = (done.stdout + done.stderr).splitlines()
-    return next((line.strip() for line in lines if line.startswith("version")), "unknown")
+    version = next((line.strip() for line in lines if line.startswith("version")), "unknown")
+    built_here = server.resolve().parent == (llamacpp_dir() / "bin").resolve()
+    return f"{version}, built from {SDIST}" if built_here else version
 
 
 # ---------------------------------------------------------------------------------- one run
@@ -180,11 +198,12 @@ def completion_body(prompt: list[int], max_tokens: int) -> dict:
     )
 
 
-def peak_rss_mib(pid: int) -> float:
-    """A process's peak resident memory (VmHWM), in MiB; 0 where /proc cannot tell."""
+def rss_mib(pid: int, field: str = "VmHWM") -> float:
+    """A process's peak (VmHWM) or current (VmRSS) resident memory, in MiB; 0 where /proc cannot
+    tell."""
     try:
         for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
@@ -200,6 +219,7 @@ def run_llamacpp(server, gguf, weight_type, slots, prompts, outs, threads=None) 
     threads = threads or os.cpu_count() or 1
     context = 2 ** math.ceil(math.log2(sum(map(len, prompts)) + sum(outs) + 256))
     with llama_server(server, gguf, slots, threads, context) as (url, proc):
+        loaded_mib = rss_mib(proc.pid, "VmRSS")  # weights and KV cache, as minicb's before a run
         with httpx.Client(timeout=3600, limits=httpx.Limits(max_connections=len(prompts))) as c:
 
             def one(i):
@@ -211,7 +231,7 @@ def run_llamacpp(server, gguf, weight_type, slots, prompts, outs, threads=None) 
             with ThreadPoolExecutor(len(prompts)) as pool:
                 done = list(pool.map(one, range(len(prompts))))
             wall = time.perf_counter() - t0
-        mem = peak_rss_mib(proc.pid)
+        peak_mib = rss_mib(proc.pid)
     ttfts, tpots = [], []
     for (t, body), n in zip(done, outs):
         if body["tokens_predicted"] != n:
@@ -226,8 +246,9 @@ def run_llamacpp(server, gguf, weight_type, slots, prompts, outs, threads=None) 
         outs,
         ttfts,
         tpots,
-        mem,
+        peak_mib - loaded_mib,  # what the run added, as PeakRSS counts minicb's
         settings=f"{weight_type}, -np {slots} -kvu -t {threads}",
+        process_peak_mib=peak_mib,
         weight_type=weight_type,
         slots=slots,
     )
@@ -258,9 +279,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minicb.bench.llamacpp", description=__doc__)
     parser.add_argument("command", choices=["build"], help="build: compile llama-server here")
     parser.add_argument("--jobs", type=int, default=None, help="compiler jobs (default: cores)")
+    parser.add_argument(
+        "--amx", action="store_true", help="keep llama.cpp's AMX kernels (left out by default)"
+    )
     args = parser.parse_args(argv)
     if args.command == "build":
-        build(args.jobs)
+        build(args.jobs, args.amx)
 
 
 if __name__ == "__main__":

@@ -243,8 +243,7 @@ def run_llamacpp_best(prompts, outs, cooldown_s: float, sweep_out: dict) -> dict
     time.sleep(cooldown_s)
     server = find_server()
     gguf = gguf_file(best["weight_type"], find_quantize(server))
-    row = run_llamacpp(server, gguf, best["weight_type"], best["slots"], prompts, outs)
-    return row | {"name": f"{row['name']}, {sweep_out['version']}"}
+    return run_llamacpp(server, gguf, best["weight_type"], best["slots"], prompts, outs)
 
 
 COMPETITORS = (

@@ -10,14 +10,16 @@ def print_w1(report: dict, print_fn=print) -> None:
         f"\nW1 on {report['machine']}: {report['num_requests']} requests, "
         f"{report['prompt_tokens']} prompt and {report['output_tokens']} output tokens"
     )
+    w = max([42] + [len(r["name"]) + 1 for r in report["results"]])
     print_fn(
-        f"{'system':<42}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>9}{'p99':>8}{'TPOT p50':>9}{'p99':>8}"
+        f"{'system':<{w}}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>9}{'p99':>8}"
+        f"{'TPOT p50':>9}{'p99':>8}"
         f"{'mem MiB':>8}{'slots':>7}{'of floor':>9}"
     )
     for r in report["results"]:
         util = f"{r['slot_utilization']:.0%}" if "slot_utilization" in r else "-"
         print_fn(
-            f"{r['name']:<42}{r['throughput']:8.1f}{r['wall_s']:8.1f}{ms(r['ttft_p50'])}ms{ms(r['ttft_p99'])}"
+            f"{r['name']:<{w}}{r['throughput']:8.1f}{r['wall_s']:8.1f}{ms(r['ttft_p50'])}ms{ms(r['ttft_p99'])}"
             f"{ms(r['tpot_p50'])}ms{ms(r['tpot_p99'])}{r['peak_mem_mib']:8.0f}{util:>7}"
             f"{r['floor_fraction']:9.0%}"
         )
