@@ -136,3 +136,14 @@ def test_config_refuses_what_int8_weights_cannot_do(fields, words):
         EngineConfig(**fields)
     for w in words:
         assert w in str(e.value)
+
+
+def test_the_load_tests_offline_yardstick_runs_dtype_auto(tmp_path, monkeypatch):
+    """The load test builds its offline engine from the server's config: with dtype "auto" it loads
+    float32 weights and lets the engine choose, as the server does."""
+    from minicb.serve.loadtest import Offline
+
+    monkeypatch.setattr(cpu_precision, "choose_cpu_dtype", lambda *a: ("bfloat16", {}))
+    path = save_tiny_model(tmp_path, arch="llama", seed=0)
+    offline = Offline(EngineConfig(model=str(path), dtype="auto", num_blocks=64, block_size=4))
+    assert offline.with_slots(2).engine.config.dtype == "bfloat16"

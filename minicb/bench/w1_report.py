@@ -135,6 +135,8 @@ def w1_figure(report: dict):
     palette |= dict(minicb_continuous_16="#1e88e5", minicb_continuous="#0d47a1")
     palette |= dict(minicb_auto="#6a1b9a", minicb_int8="#ad1457", llamacpp="#2e7d32")
     colors = [palette.get(r.get("key"), "#0d47a1") for r in rs]
+    # the lines are float32's floors; a row in another precision is priced at its own (its label)
+    which = " (float32)" if len(report.get("floors", {})) > 1 else ""
     fig, axes = plt.subplots(1, 3, figsize=(14, 0.9 * len(rs) + 1.8), sharey=True)
     axes[0].barh(y, [r["throughput"] for r in rs], color=colors)
     for i, r in enumerate(rs):
@@ -148,7 +150,7 @@ def w1_figure(report: dict):
         axes[0].text(
             bound,
             len(rs) - 0.5,
-            f"the machine's floor\n{bound:.0f} tok/s ",
+            f"the machine's floor{which}\n{bound:.0f} tok/s ",
             ha="right",
             va="top",
             color="#c62828",
@@ -162,7 +164,7 @@ def w1_figure(report: dict):
         axes[0].text(
             bound,
             -0.5,
-            f"the kernels' floor\n{bound:.0f} tok/s ",
+            f"the kernels' floor{which}\n{bound:.0f} tok/s ",
             ha="right",
             va="bottom",
             color="#ef6c00",

@@ -127,7 +127,8 @@ class Offline:
 
         self.config, self.loaded, self.llm, self.slots = (
             config,
-            load_model(config.model, config.dtype),
+            # "auto" is resolved by the engine, which converts float32 weights
+            load_model(config.model, "float32" if config.dtype == "auto" else config.dtype),
             None,
             None,
         )
