@@ -195,16 +195,34 @@ def machine_key() -> str:
     return f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+def read_machine_cache(cache_file) -> dict:
+    """The measurements kept in `cache_file` (JSON: machine key -> what was measured there); {} when
+    there is none, or it is damaged (then everything is measured again)."""
+    if cache_file is None or not os.path.exists(cache_file):
+        return {}
+    try:
+        return json.loads(open(cache_file).read())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_machine_cache(cache_file, cache: dict) -> None:
+    """Keep `cache` in `cache_file`; a read-only place is left alone (measured again next time)."""
+    if cache_file is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+        with open(cache_file, "w") as f:
+            json.dump(cache, f, indent=1)
+    except OSError:
+        pass
+
+
 def cached_choice(model: nn.Module, cache_file=None, timer=time_linear) -> dict[str, dict]:
     """choose_kernels for the model's shapes, measured once per machine and kept in `cache_file`
     (JSON: machine key -> shape -> choice); None: measure without caching."""
     shapes, key, dtype = linear_shapes(model), machine_key(), model_dtype(model)
-    cache = {}
-    if cache_file is not None and os.path.exists(cache_file):
-        try:
-            cache = json.loads(open(cache_file).read())
-        except (OSError, ValueError):
-            cache = {}  # a damaged cache is measured again
+    cache = read_machine_cache(cache_file)
     known = cache.get(key, {})
     missing = [s for s in shapes if shape_key(*s, dtype) not in known]
     if missing:
@@ -215,13 +233,7 @@ def cached_choice(model: nn.Module, cache_file=None, timer=time_linear) -> dict[
             f"shapes ({time.perf_counter() - t:.1f} s, once on this machine: {key})",
             flush=True,
         )
-        if cache_file is not None:
-            try:
-                os.makedirs(os.path.dirname(cache_file), exist_ok=True)
-                with open(cache_file, "w") as f:
-                    json.dump(cache | {key: known}, f, indent=1)
-            except OSError:
-                pass  # a read-only cache: measured again next time
+        write_machine_cache(cache_file, cache | {key: known})
     return {shape_key(i, o, dtype): known[shape_key(i, o, dtype)] for i, o in shapes}
 
 

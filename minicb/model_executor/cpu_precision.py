@@ -24,14 +24,19 @@ it than in float32 (on the faster kernel for each, cpu_kernels.py). Measured onc
 kept beside the kernel choice.
 """
 
-import json
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import BATCH_SIZES, KERNELS, machine_key, onednn_linear_available, time_linear
+from .cpu_kernels import (
+    BATCH_SIZES,
+    KERNELS,
+    machine_key,
+    onednn_linear_available,
+    read_machine_cache,
+    time_linear,
+    write_machine_cache,
+)
 
 # the activations' dtypes _weight_int8pack_mm takes
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -135,12 +140,7 @@ def choose_cpu_dtype(hf_config, cache_file=None) -> tuple[str, dict]:
         return "float32", {}
     counts = linear_counts(hf_config)
     key = "dtype " + ",".join(f"{i}x{o}*{n}" for (i, o), n in sorted(counts.items()))
-    cache = {}
-    if cache_file is not None and os.path.exists(cache_file):
-        try:
-            cache = json.loads(open(cache_file).read())
-        except (OSError, ValueError):
-            cache = {}
+    cache = read_machine_cache(cache_file)
     known = cache.get(machine_key(), {})
     if key not in known:
         known[key] = {d: time_dtype(counts, getattr(torch, d)) for d in ("float32", "bfloat16")}
@@ -149,13 +149,7 @@ def choose_cpu_dtype(hf_config, cache_file=None) -> tuple[str, dict]:
             + ", ".join(f"{d} {1000 * s:.1f} ms" for d, s in known[key].items()),
             flush=True,
         )
-        if cache_file is not None:
-            try:
-                os.makedirs(os.path.dirname(cache_file), exist_ok=True)
-                with open(cache_file, "w") as f:
-                    json.dump(cache | {machine_key(): known}, f, indent=1)
-            except OSError:
-                pass
+        write_machine_cache(cache_file, cache | {machine_key(): known})
     seconds = known[key]
     return min(seconds, key=seconds.get), seconds
 
