@@ -277,3 +277,50 @@ def test_fused_moe_grouped_mm_on_cuda_matches_the_loop():
     torch.testing.assert_close(
         fused_moe(x, w13, w2, weights, ids).float(), ref, atol=2e-2, rtol=2e-2
     )
+
+
+def test_tier_copies_run_on_their_own_stream_and_keep_what_the_step_wrote():
+    """Issue 39: the CPU tier's copies on CUDA. An offload must copy what the step's stream wrote
+    before it, not what the step writes after it; a load must land before the step reads it; and
+    neither may make the host wait: the step's stream is still busy when transfer() returns."""
+    from test_attention import small_config
+
+    from minicb.worker.kv_cache import KVCache
+
+    cache = KVCache(small_config(), 8, 4, torch.float32, "cuda", num_offload_blocks=4)
+    assert cache.tier.stream is not None and cache.tier.k.is_pinned()
+    cache.k.normal_(), cache.v.normal_()
+    five_k, five_v = cache.k[:, 5].cpu(), cache.v[:, 5].cpu()
+    torch.cuda._sleep(200_000_000)  # the step's stream busy for a while
+    cache.k[:, 1].fill_(7.0)  # the step writes block 1, then the engine evicts it
+    cache.transfer(offload=[(1, 0), (5, 3)], swap_out=[], copy=[], swap_in=[], load=[])
+    assert not torch.cuda.current_stream().query()  # the host did not wait
+    cache.k[:, 1].fill_(-1.0), cache.v[:, 5].fill_(-1.0)  # the next owner overwrites them
+    assert cache.tier.finish_offloads() == 0
+    assert (cache.tier.k[:, 0] == 7).all()
+    assert torch.equal(cache.tier.k[:, 3], five_k) and torch.equal(cache.tier.v[:, 3], five_v)
+
+    torch.cuda._sleep(200_000_000)
+    cache.transfer(offload=[], swap_out=[], copy=[], swap_in=[], load=[(0, 2), (3, 6)])
+    assert not torch.cuda.current_stream().query()
+    cache.k[:, 2].mul_(2.0)  # the step reads the loaded block
+    assert (cache.k[:, 2] == 14).all()
+    assert torch.equal(cache.k[:, 6].cpu(), five_k) and torch.equal(cache.v[:, 6].cpu(), five_v)
+
+
+@pytest.mark.parametrize("extra", [{}, {"async_scheduling": True}], ids=["sync", "async"])
+def test_the_cpu_tier_on_cuda_gives_the_same_tokens_and_serves_more_from_cache(tiny, extra):
+    """Issue 39 on a GPU: test_kv_offload's multi-turn chat, its copies on the tier's stream."""
+    from test_kv_offload import chat
+
+    from minicb.serve.metrics import engine_stats
+
+    _, loaded, _ = tiny
+    _, expected, share_without = chat(loaded, device="cuda")  # without the tier
+    tiered, answers, share = chat(loaded, device="cuda", num_offload_blocks=64, **extra)
+    kv = tiered.engine.kv_cache
+    assert answers == expected and share >= 2 * share_without and share > 0.3
+    assert kv.tier.stream is not None and kv.tier.finish_offloads() == 0
+    stats = engine_stats(tiered.engine)
+    assert stats["kv_offload_bytes_to_cpu"] > 0 and stats["kv_offload_bytes_to_device"] > 0
+    tiered.engine.shutdown()

@@ -144,3 +144,21 @@ def test_tensor_parallel_workers_copy_their_own_shards_to_the_tier(loaded):
         assert two.engine.scheduler.block_manager.tier.num_loaded > 0
     finally:
         two.engine.shutdown()
+
+
+def test_the_gpu_benchmark_of_the_tier_runs_its_three_engines_on_a_cpu(loaded):
+    """bench/gpu_step.tier_overlap (`python -m minicb.bench.w2 --workload tier` on a GPU), shrunk to
+    the tiny model on a CPU, where both tier rows copy the same way: its rows must show the tier
+    serving more prompt tokens from a cache, with the same answers and bytes moved."""
+    from minicb.bench.gpu_step import tier_overlap
+
+    shape = dict(conversations=6, history=24, turns=3, answer=6, message=5, block_size=4)
+    rows = tier_overlap(loaded=loaded, dtype="float64", device="cpu", **shape)
+    without, own, step = rows
+    assert [r["copies"] for r in rows] == ["no tier", "tier, own stream", "tier, step's stream"]
+    assert own["cached_share"] >= 2 * without["cached_share"] and own["cached_share"] > 0.3
+    assert all(r["answers_as_without_tier"] == 1.0 for r in rows)
+    assert own["bytes_to_cpu"] > 0 and own["bytes_to_device"] > 0 and without["bytes_to_cpu"] == 0
+    assert {k: v for k, v in step.items() if k not in ("copies", "seconds")} == {
+        k: v for k, v in own.items() if k not in ("copies", "seconds")
+    }

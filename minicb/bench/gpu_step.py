@@ -202,6 +202,7 @@ def device_idle(
     steps: int = 30,
     loaded=None,
     launch: str = "inline",
+    host_profile: str | None = None,
     **config,
 ) -> dict:
     """The GPU's idle share between decode steps at `batch` rows (issue 32's target: under 5% with
@@ -211,7 +212,9 @@ def device_idle(
     default on CUDA), "thread" on the device thread (as on a CPU; executor.py). Besides the idle
     share, the host's side from the steps' StepTimes: the medians of the work before the launch,
     the launch, the work after, and how often a step's work was still being queued when the step
-    before had already finished on the device (`late_launches`), which leaves the device idle."""
+    before had already finished on the device (`late_launches`), which leaves the device idle.
+    `host_profile`: a file to write a cProfile of `steps` more steps to (the host's functions by
+    cumulative time), run after the measured ones."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -250,6 +253,19 @@ def device_idle(
     ]
     window = max(end for _, end in kernels) - min(start for start, _ in kernels)
     busy = busy_union_us(kernels)
+    if host_profile:
+        import cProfile
+        import io
+        import pstats
+
+        with cProfile.Profile() as host:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(60)
+        with open(host_profile, "w") as f:
+            f.write(text.getvalue())
     for rid in list(eng.scheduler.requests):
         eng.abort_request(rid)
     eng.drain()
@@ -282,3 +298,96 @@ def host_side(times) -> dict:
         "late_launches": f"{len(late)}/{len(lags)}",
         "late_by_ms": ms(late),
     }
+
+
+def tier_overlap(
+    model_path: str | None = None,
+    *,
+    dtype: str = "bfloat16",
+    loaded=None,
+    conversations: int = 24,
+    history: int = 1024,
+    turns: int = 3,
+    answer: int = 32,
+    message: int = 224,
+    block_size: int = 256,
+    device: str = "cuda",
+) -> list[dict]:
+    """The prefix cache's CPU tier on a GPU (issue 39): a multi-turn workload whose device pool
+    holds about a third of the conversations' histories, run without the tier, with the tier's
+    copies on their own stream (the default), and with them on the step's stream (as minicb copied
+    until 2026-11-28). Each turn sends every conversation's history plus a new message, greedy;
+    the rows give the wall time, the prompt tokens served from a cache and the bytes each way."""
+    from ..model_executor.hf_config import kv_bytes_per_token
+    from ..serve.metrics import engine_stats
+
+    if device == "cuda":
+        require_cuda("tier_overlap")
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    loaded = _load(model_path, loaded, dtype)
+    final = history + (turns - 1) * (answer + message) + answer
+    num_blocks = max(8, conversations * final // block_size // 3)
+    rows, first_answers = [], None
+    for name in ("no tier", "tier, own stream", "tier, step's stream"):
+        # a tier that holds every conversation's history, with a fifth to spare
+        gib = (
+            1.2
+            * conversations
+            * final
+            * kv_bytes_per_token(loaded.hf_config, getattr(torch, dtype))
+        )
+        tier = {} if name == "no tier" else {"kv_offloading_size": gib / 2**30}
+        llm = LLM.from_loaded(
+            loaded,
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=conversations,
+            record_trace=False,
+            **tier,
+        )
+        if name == "tier, step's stream":
+            llm.engine.kv_cache.tier.stream = None
+        rng = random.Random(0)
+        chats = [
+            [rng.randrange(loaded.vocab_size) for _ in range(history)] for _ in range(conversations)
+        ]
+        params = SamplingParams(max_tokens=answer, temperature=0.0, ignore_eos=True)
+        answers, cached, prompt = [], 0, 0
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(turns):
+            for i, out in enumerate(llm.generate(chats, params, use_tqdm=False)):
+                answers.append(out.outputs[0].token_ids)
+                cached += out.num_cached_tokens
+                prompt += len(out.prompt_token_ids)
+                chats[i] = chats[i] + out.outputs[0].token_ids
+                chats[i] += [rng.randrange(loaded.vocab_size) for _ in range(message)]
+        sync()
+        seconds = time.perf_counter() - t0
+        first_answers = first_answers or answers
+        stats = engine_stats(llm.engine)
+        rows.append(
+            {
+                "kind": "tier",
+                "copies": name,
+                "conversations": conversations,
+                "turns": turns,
+                "device_blocks": num_blocks,
+                "block_size": block_size,
+                "seconds": round(seconds, 3),
+                "prompt_tokens": prompt,
+                "cached_share": round(cached / prompt, 4),
+                "bytes_to_cpu": stats.get("kv_offload_bytes_to_cpu", 0),
+                "bytes_to_device": stats.get("kv_offload_bytes_to_device", 0),
+                "answers_as_without_tier": sum(a == b for a, b in zip(answers, first_answers))
+                / len(answers),
+                "device": torch.cuda.get_device_name() if device == "cuda" else device,
+            }
+        )
+        llm.engine.shutdown()
+        del llm
+        if device == "cuda":
+            free_gpu()
+    return rows

@@ -237,7 +237,9 @@ def main(argv=None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--workload", choices=("w2", "latency", "attention", "profile", "idle"), default="w2"
+        "--workload",
+        choices=("w2", "latency", "attention", "profile", "idle", "tier"),
+        default="w2",
     )
     parser.add_argument(
         "--model",
@@ -258,6 +260,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--json", default=None, help="append every result as a JSON line to this file"
     )
+    parser.add_argument(
+        "--host-profile", default=None, help="idle: write a cProfile of the host's side here"
+    )
     args = parser.parse_args(argv)
     require_cuda("python -m minicb.bench.w2")
 
@@ -267,7 +272,7 @@ def main(argv=None) -> None:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    from .gpu_step import attention_benchmark, device_idle, profile_decode_step
+    from .gpu_step import attention_benchmark, device_idle, profile_decode_step, tier_overlap
 
     if args.workload == "attention":
         for row in attention_benchmark():
@@ -281,10 +286,20 @@ def main(argv=None) -> None:
     if args.workload == "idle":  # issue 32: under 5% of the step with async scheduling
         # sync, async launched on the engine's thread, on the device thread, inline again
         runs = ((False, "inline"), (True, "inline"), (True, "thread"), (True, "inline"))
-        for async_scheduling, launch in runs:
+        for i, (async_scheduling, launch) in enumerate(runs):
+            # the last run also writes a cProfile of the host's side, where --host-profile says
+            last = args.host_profile if i == len(runs) - 1 else None
             row = device_idle(
-                loaded=loaded, dtype=args.dtype, async_scheduling=async_scheduling, launch=launch
+                loaded=loaded,
+                dtype=args.dtype,
+                async_scheduling=async_scheduling,
+                launch=launch,
+                host_profile=last,
             )
+            emit(row)
+        return
+    if args.workload == "tier":  # issue 39: the CPU tier's copies on their own stream
+        for row in tier_overlap(loaded=loaded, dtype=args.dtype):
             emit(row)
         return
     if args.workload == "latency":

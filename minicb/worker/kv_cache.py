@@ -29,6 +29,7 @@ import torch
 from ..core.kv_cache_groups import KVCacheGroupSpec, group_size_of, layer_slots
 from ..model_executor.hf_config import cache_shape_of
 from ..model_executor.kv_quant import KVQuant
+from .kv_offload import CpuGpuOffloadingHandler
 
 
 class KVCache:
@@ -104,13 +105,10 @@ class KVCache:
         cpu_v_shape = (self.num_slots, num_cpu_blocks, *v_block_shape)
         self.cpu_k = torch.zeros(cpu_shape, dtype=storage, device="cpu", pin_memory=pin)
         self.cpu_v = torch.zeros(cpu_v_shape, dtype=storage, device="cpu", pin_memory=pin)
-        # the prefix cache's CPU tier (core/kv_offload.py): copies of evicted prefix blocks
+        # the prefix cache's CPU tier (core/kv_offload.py): copies of evicted prefix blocks, in a
+        # host pool of their own, moved on a stream of their own on CUDA (kv_offload.py)
         self.num_offload_blocks = num_offload_blocks
-        tier_shape, tier_v_shape = (
-            (self.num_slots, num_offload_blocks, *shape) for shape in (block_shape, v_block_shape)
-        )
-        self.tier_k = torch.zeros(tier_shape, dtype=storage, device="cpu", pin_memory=pin)
-        self.tier_v = torch.zeros(tier_v_shape, dtype=storage, device="cpu", pin_memory=pin)
+        self.tier = CpuGpuOffloadingHandler(self, num_offload_blocks)
 
     @property
     def num_bytes(self) -> int:
@@ -134,16 +132,6 @@ class KVCache:
         self._check_ids([c for c, _ in pairs], self.num_cpu_blocks, "cpu")
         self._check_ids([g for _, g in pairs], self.num_blocks, "gpu")
         self._to_device(self.cpu_k, self.cpu_v, pairs)
-
-    def offload(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy evicted prefix blocks to the CPU tier before anyone overwrites them. pairs: (device
-        block, tier slot). On CUDA from pinned memory, on the step's stream (vLLM overlaps these
-        copies with the step on a stream of their own; minicb does not)."""
-        self._to_host(self.tier_k, self.tier_v, pairs)
-
-    def load(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy prefix blocks back from the CPU tier. pairs: (tier slot, device block)."""
-        self._to_device(self.tier_k, self.tier_v, pairs)
 
     def _to_host(self, host_k, host_v, pairs: list[tuple[int, int]]) -> None:
         """(device block, host block) pairs: gathered on the device, then one transfer per pool."""
@@ -174,11 +162,12 @@ class KVCache:
         blocks leave for the tier and swapped-out blocks for swap space before anything overwrites
         them; a copy-on-write source freed this step may be the target of a swap-in; loads fill
         fresh blocks last."""
-        self.offload(offload)
+        self.tier.finish_offloads(wait=False)  # those of earlier steps that have landed
+        self.tier.offload(offload)
         self.swap_out(swap_out)
         self.copy_blocks(copy)
         self.swap_in(swap_in)
-        self.load(load)
+        self.tier.load(load)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: device block src to device block dst, all layers at once. pairs: (src,
