@@ -1,6 +1,6 @@
 #!/bin/bash
 # The device check (issues 11 and 32), last run on an NVIDIA H100 on 2026-11-27 (figures/gpu_h100_2026-11-27.jsonl; the H200 file is 2026-11-26's).
-# Not run by CI. On a GPU machine: LIMIT=seconds STAGES="tests tier attention w2 idle latency profile hf" .ci/gpu_check.sh
+# Not run by CI. On a GPU machine: LIMIT=seconds STAGES="tests tier tier8b attention w2 idle latency profile hf" .ci/gpu_check.sh
 # Copy $OUT/results.jsonl to figures/gpu_<gpu>_<date>.jsonl, and name the GPU with every figure quoted.
 #   tests      the GPU tests (graphs, flash pages, verify rows of 1 + k queries, async scheduling)
 #   attention  one layer's decode attention against one read of the K/V (the read floor)
@@ -8,7 +8,7 @@
 #   idle       GPU idle between decode steps at batch 256: sync, async, async launched from the
 #              device thread, async again (issue 32: < 5% async), with the host's side
 #   tier       the prefix cache's CPU tier on a multi-turn workload: no tier, its copies on their
-#              own stream, on the step's stream (issue 39)
+#              own stream, on the step's stream (issue 39); tier8b: the same on Qwen3-8B's shape
 #   moe        opt-in (name it in STAGES): W2 on a Qwen3-30B-A3B-shaped mixture of experts with random
 #              bf16 weights (issue 36; 61 GB of weights: an 80 GB GPU, about 4 minutes)
 # One device session: tests, then benchmarks, each bounded by what is left of the call's time.
@@ -27,10 +27,11 @@ stage() {  # stage NAME MAXSECONDS command...
 nvidia-smi -L
 lscpu | grep -E '^Model name|^CPU\(s\)'
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name()); print(torch.ops.aten._flash_attention_forward.default._schema)"
-for s in ${STAGES:-tests tier attention w2 idle latency profile hf}; do
+for s in ${STAGES:-tests tier tier8b attention w2 idle latency profile hf}; do
   case $s in
     tests) TAIL=60 stage tests 200 python3 -m pytest -q -m "gpu and not slow" tests/test_gpu.py tests/test_verify_rows.py -s -p no:cacheprovider -o addopts="" ;;
     tier) stage tier 150 python3 -m minicb.bench.w2 --workload tier --json $OUT/results.jsonl ;;
+    tier8b) stage tier8b 200 python3 -m minicb.bench.w2 --workload tier --model random:qwen3-8b --json $OUT/results.jsonl ;;
     attention) stage attention 60 python3 -m minicb.bench.w2 --workload attention --json $OUT/results.jsonl ;;
     latency) stage latency 120 python3 -m minicb.bench.w2 --workload latency --json $OUT/results.jsonl ;;
     w2) stage w2 ${W2_MAX:-200} python3 -m minicb.bench.w2 --workload w2 --competitors ${W2_COMPETITORS:-defaults async eager} --json $OUT/results.jsonl ;;

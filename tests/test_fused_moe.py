@@ -296,3 +296,20 @@ def test_gpt_oss_experts_are_transformers_experts(method):
     else:
         out = fused_moe(*args, method=method, **biases)
     torch.testing.assert_close(out, hf_experts(x, ids, topk_weights), rtol=1e-13, atol=1e-13)
+
+
+def test_the_gpu_bench_qwen3_8b_has_the_published_sizes():
+    """The CPU tier's GPU bench runs random:qwen3-8b: 8.2B parameters, 6.95B without the embedding
+    and the LM head (Qwen3-8B's model card), 144 KiB of bf16 K/V a token."""
+    from minicb.bench.gpu import RANDOM_CONFIGS
+    from minicb.model_executor.hf_config import kv_bytes_per_token
+    from minicb.model_executor.model import CausalLM
+
+    class_name, fields = RANDOM_CONFIGS["qwen3-8b"]
+    config = getattr(transformers, class_name)(**fields)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    embeddings = 2 * config.vocab_size * config.hidden_size
+    assert round(total / 1e9, 1) == 8.2 and round((total - embeddings) / 1e9, 2) == 6.95
+    assert kv_bytes_per_token(config, torch.bfloat16) == 144 * 2**10

@@ -162,3 +162,10 @@ def test_the_gpu_benchmark_of_the_tier_runs_its_three_engines_on_a_cpu(loaded):
     assert {k: v for k, v in step.items() if k not in ("copies", "seconds")} == {
         k: v for k, v in own.items() if k not in ("copies", "seconds")
     }
+
+
+def test_tier_copies_go_one_run_of_consecutive_slots_at_a_time():
+    from minicb.worker.kv_offload import runs
+
+    assert runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
+    assert runs([]) == [] and runs([7]) == [(0, 7, 1)]

@@ -33,6 +33,26 @@ RANDOM_CONFIGS = {
             eos_token_id=151645,
         ),
     ),
+    # A dense model whose prefill costs more per byte of KV cache (the CPU tier's bench, issue 39):
+    # 8.2B parameters, 144 KiB of K/V a token in bf16
+    "qwen3-8b": (
+        "Qwen3Config",
+        dict(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            bos_token_id=151643,
+            eos_token_id=151645,
+        ),
+    ),
     # A mixture of experts (issue 36's GPU bench): 30.5B parameters, 3.3B active per token, 61 GB in
     # bf16, so one 80 GB GPU holds it with about 10 GB left for the KV cache
     "qwen3-30b-a3b": (

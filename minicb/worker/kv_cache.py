@@ -162,7 +162,6 @@ class KVCache:
         blocks leave for the tier and swapped-out blocks for swap space before anything overwrites
         them; a copy-on-write source freed this step may be the target of a swap-in; loads fill
         fresh blocks last."""
-        self.tier.finish_offloads(wait=False)  # those of earlier steps that have landed
         self.tier.offload(offload)
         self.swap_out(swap_out)
         self.copy_blocks(copy)
