@@ -110,7 +110,12 @@ def random_model(name: str, dtype: torch.dtype, hf_model: bool = False):
         model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     if hf_model:
         return model
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tied = config.tie_word_embeddings  # then the LM head is the embedding, loaded once
+    state = {
+        k: v.detach().cpu()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
     del model
     return LoadedModel(
         name=name,
