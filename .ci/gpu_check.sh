@@ -1,5 +1,5 @@
 #!/bin/bash
-# The device check (issues 11 and 32), last run on an NVIDIA H100 on 2026-11-27 (figures/gpu_h100_2026-11-27.jsonl; the H200 file is 2026-11-26's).
+# The device check (issues 11, 32 and 39), last run on an NVIDIA H200 on 2026-11-28 (figures/gpu_h200_2026-11-28.jsonl; the H100's is figures/gpu_h100_2026-11-27.jsonl).
 # Not run by CI. On a GPU machine: LIMIT=seconds STAGES="tests tier tier8b attention w2 idle latency profile hf" .ci/gpu_check.sh
 # Copy $OUT/results.jsonl to figures/gpu_<gpu>_<date>.jsonl, and name the GPU with every figure quoted.
 #   tests      the GPU tests (graphs, flash pages, verify rows of 1 + k queries, async scheduling)
