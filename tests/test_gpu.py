@@ -133,6 +133,47 @@ def test_flash_pages_kernel_matches_the_reference(block_size, kv_heads, group):
     )
 
 
+@pytest.mark.parametrize("window", [5, 40])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_flash_pages_kernel_with_a_window_and_sinks_matches_the_reference(window, with_sinks):
+    """Issue 39 on a GPU: pairs cut to a sliding window (their keys start inside the block) and the
+    sinks' share in the combine, through the CUDA kernel, against the padded gather."""
+    q, k, v, tables, lens, sink = ragged_batch(1, 37, 16, 2, 4, max_blocks=6)
+    k[sink], v[sink] = 0.0, 0.0
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q, k, v = q.to(**bf), k.to(**bf), v.to(**bf)
+    tables = [  # a windowed group's table: blocks wholly before the window are the null block
+        [sink if (j + 1) * 16 <= n - window else b for j, b in enumerate(t)]
+        for t, n in zip(tables, lens)
+    ]
+    padded = torch.tensor([t + [sink] * (7 - len(t)) for t in tables], device="cuda")
+    ctx = torch.tensor(lens, device="cuda")
+    sinks = torch.randn(8, device="cuda") if with_sinks else None
+    pairs = page_pairs(padded, ctx, 16, k.shape[0] * 16, sliding_window=window)
+    got = flash_pages_attention(q, k, v, pairs, 0.125, sinks=sinks)
+    expected = decode_attention(q, k, v, padded, ctx, 0.125, window, None, sinks)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_real_graphs_of_a_windowed_model_with_flash_pages_match_eager(tmp_path):
+    """Pages cut to Mistral's window (one KV cache group: make_runner's synthetic rows carry one
+    table), replayed from real graphs against eager steps, in bfloat16 (float64 parity with
+    transformers, every windowed model, is test_paged_flash.py's)."""
+    loaded = load_model(save_tiny_model(tmp_path, arch="mistral_window", seed=1), torch.bfloat16)
+    runner, graphs = make_runner(
+        loaded,
+        device="cuda",
+        dtype="bfloat16",
+        block_size=16,
+        num_blocks=256,
+        max_num_seqs=16,
+        max_model_len=200,
+        attention_backend="flash_pages",
+    )
+    assert graphs.pages and not graphs.emulated
+    assert_replays_match_eager(runner, graphs, 200, atol=3e-2)
+
+
 def test_real_graphs_with_flash_pages_match_eager(tiny):
     path, _, _ = tiny
     loaded = load_model(path, dtype=torch.bfloat16)

@@ -360,8 +360,9 @@ def paged_attention(
     parts = []
     if nd > 0:
         q_dec = q[: meta.num_decode_tokens]  # (num_decode_tokens, H, D)
-        if meta.pages is not None:  # no gather: flash attention per (row, block) pair, then combine
-            parts.append(flash_pages_attention(q_dec, k_cache, v_cache, meta.pages, scale, k, v))
+        pages = meta.pages  # no gather: flash attention per (row, block) pair, then combine
+        if pages is not None and pages.window == sliding_window:  # cut to this layer's window
+            parts.append(flash_pages_attention(q_dec, k_cache, v_cache, pages, scale, k, v, sinks))
         elif meta.decode_groups is not None and sliding_window is None:
             parts.append(
                 grouped_decode_attention(

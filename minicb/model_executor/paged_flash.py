@@ -23,12 +23,12 @@ output AND the log-sum-exp of its scores. That is enough to skip the copy:
 
 Only queries are copied (W per row), never keys or values. Every shape comes from tensor shapes and
 every index is computed on the device, so a CUDA graph can hold the whole of it; the pairs of a
-graph's bucket are B x W, and the pairs past a row's context cost a launch that exits at once.
-Where it runs (flash_pages_supported): CUDA GPUs from sm80 (A100, H100), float16/bfloat16, a cache
-in the model's dtype (not fp8), no sliding window, head_dim <= 256. Elsewhere the padded gather
-runs. The block size matters here: a pair per 16-token block makes tiny problems (4.2 ms per layer
-on the H100 at W2's shape, slower than the gather); 256-token blocks (1,197 pairs) took 0.68 ms.
-That is why block_size defaults to 256 on CUDA (config.py).
+graph's bucket are B x W, and the pairs past a row's context cost a launch that exits at once. Where
+it runs (flash_pages_supported): CUDA GPUs from sm80 (A100, H100), float16/bfloat16, a cache in the
+model's dtype (not fp8), head_dim <= 256. Elsewhere the padded gather runs. The block size matters
+here: a pair per 16-token block makes tiny problems (4.2 ms per layer on the H100 at W2's shape,
+slower than the gather); 256-token blocks (1,197 pairs) took 0.68 ms. That is why block_size
+defaults to 256 on CUDA (config.py).
 
 Rows of several queries (a decode row verifying k drafts: vLLM V1 verifies its 1 + k tokens as one
 row). Keys of a block that every query of the row may see need no mask, so a (row, block) pair
@@ -39,13 +39,24 @@ computed them (chunk_attention_*: flash varlen with is_causal, square per row). 
 weighs each query's W pair partials and its own-chunk partial by their log-sum-exps. A row shorter
 than Q (a batch of mixed draft counts) sits right-aligned in its Q slots; the leading slots are
 computed and dropped.
+
+A sliding window of W (Mistral, Gemma 3's local layers, gpt-oss): a row's query, the token at
+context - 1, sees the keys from context - W on. In each pair, the block's tokens before that are
+skipped by starting its keys later in the flat cache (cu_seq_k) and using fewer of them (used); a
+block wholly before the window, freed or not, becomes an empty pair. Pages carry the window they
+were built for, and a layer with another window (a model whose hybrid KV cache manager is disabled)
+reads through the gather. Rows of several queries see windows that start at different tokens, which
+one range per pair cannot say: a windowed group's verify rows read through the gather too.
+
+Attention sinks (gpt-oss): a learned logit per head that takes a share of the softmax mass and gives
+no value. In the combine it is one more partial, of log-sum-exp = the sink and output 0.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from .hf_config import has_attention_sinks, head_dim_of, sliding_window_of
+from .hf_config import head_dim_of
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -68,6 +79,7 @@ class PagePairs:
     # Q > 1 only: (tokens,) int64 each token's slot in the (B * Q) layout, None when all rows have Q
     slots: torch.Tensor | None = None
     chunk_kernel: object = None  # chunk_attention_flash on CUDA, chunk_attention_reference else
+    window: int | None = None  # the sliding window the pairs were cut to (None: full attention)
 
 
 def page_pairs(
@@ -78,11 +90,16 @@ def page_pairs(
     query_len: int = 1,
     query_start_loc=None,
     slots=None,
+    sliding_window: int | None = None,
 ) -> PagePairs:
     """block_tables: (B, W) int64, context_lens: (B,) int64 -> the B x W pairs. Device ops only.
     Rows of up to query_len > 1 queries also need query_start_loc, (B + 1,) their cumulative query
     lengths, and slots (AttentionMetadata.decode_slots): the pairs then cover the tokens cached
-    before this step, and the rows' own tokens are attended apart (the module docstring)."""
+    before this step, and the rows' own tokens are attended apart (the module docstring). With a
+    sliding_window (rows of one query only), each pair keeps only its block's tokens in the
+    window."""
+    if sliding_window is not None and query_len > 1:
+        raise ValueError("a sliding window's pairs are for rows of one query: use the gather")
     rows, width = block_tables.shape
     device = block_tables.device
     # (W,) of column j's block
@@ -92,7 +109,11 @@ def page_pairs(
         cached = context_lens - (query_start_loc[1:] - query_start_loc[:-1])
     # (B, W): tokens of row i in column j
     used = (cached[:, None] - first_token).clamp(0, block_size)
-    starts = (block_tables * block_size).reshape(-1)  # (P,) the block's first row in the flat cache
+    starts = block_tables * block_size  # (B, W) the block's first row in the flat cache
+    if sliding_window is not None:  # (B, W): the block's tokens before context - W
+        skip = (cached[:, None] - sliding_window - first_token).clamp(0, block_size)
+        used, starts = (used - skip).clamp(min=0), starts + skip
+    starts = starts.reshape(-1)
     end = torch.full((1,), num_locations, dtype=starts.dtype, device=starts.device)
     cu_seq_q = torch.arange(rows * width + 1, dtype=torch.int32, device=device) * query_len
     on_cuda = device.type == "cuda"
@@ -107,6 +128,26 @@ def page_pairs(
         None if query_len == 1 else query_start_loc.to(torch.int32),
         slots,
         chunk_attention_flash if on_cuda else chunk_attention_reference,
+        sliding_window,
+    )
+
+
+def decode_pages(meta, block_size: int, num_locations: int, window=None) -> PagePairs | None:
+    """The decode rows of `meta` (an AttentionMetadata, one KV cache group's) as (row, block) pairs
+    cut to the group's `window`; None for a windowed group with rows of several queries, which read
+    through the gather (the module docstring)."""
+    nd = meta.num_decodes
+    if window is not None and meta.decode_query_len > 1:
+        return None
+    return page_pairs(
+        meta.block_tables[:nd],
+        meta.context_lens[:nd],
+        block_size,
+        num_locations,
+        meta.decode_query_len,
+        meta.query_start_loc[: nd + 1],
+        meta.decode_slots,
+        window,
     )
 
 
@@ -197,26 +238,37 @@ def chunk_attention_flash(q, k, v, cu_seq, max_len: int, scale: float):
     return out, lse.reshape(q.shape[1], q.shape[0])
 
 
-def combine_pairs(out, lse, pairs: PagePairs):
+def combine_pairs(out, lse, pairs: PagePairs, sinks=None):
     """(P, H, D) partial outputs + (H, P) log-sum-exps -> (B, H, D): each row's exact attention
-    output (rows of one query)."""
+    output (rows of one query). sinks: (H,) attention sinks' logits, or None."""
     num_heads, head_dim = out.shape[1:]
     lse = lse.t().reshape(pairs.rows, pairs.width, num_heads)  # (B, W, H)
     empty = (pairs.used == 0).view(pairs.rows, pairs.width, 1)
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-    # (B, W, H): share of the mass
-    weights = torch.softmax(lse.to(acc).masked_fill(empty, float("-inf")), dim=1)
+    lse = lse.to(acc).masked_fill(empty, float("-inf"))
     parts = out.view(pairs.rows, pairs.width, num_heads, head_dim).to(acc)
-    return (weights[..., None] * parts).sum(dim=1).to(out.dtype)  # (B, H, D)
+    return _weigh(lse, parts, sinks).to(out.dtype)  # (B, H, D)
 
 
-def flash_pages_attention(q, k_cache, v_cache, pairs: PagePairs, scale: float, k=None, v=None):
+def _weigh(lse, parts, sinks):
+    """Partials (N, W, H, D) weighed by their share of the softmax mass, lse (N, W, H); a sink is
+    one more partial, of output 0."""
+    if sinks is not None:
+        lse = torch.cat([lse, sinks.to(lse.dtype).expand(lse.shape[0], 1, -1)], dim=1)
+        parts = torch.cat([parts, parts.new_zeros(parts.shape[0], 1, *parts.shape[2:])], dim=1)
+    weights = torch.softmax(lse, dim=1)  # (N, W, H): share of the mass
+    return (weights[..., None] * parts).sum(dim=1)
+
+
+def flash_pages_attention(
+    q, k_cache, v_cache, pairs: PagePairs, scale: float, k=None, v=None, sinks=None
+):
     """Decode attention over the paged cache with no gather. q: (tokens, H, D), the decode rows'
     tokens (one per row when pairs.queries is 1); caches (num_blocks + 1, bs, KV, D); k, v: (tokens
-    or more, KV, D), this step's keys and values (needed for rows of several queries). Returns
-    (tokens, H, D)."""
+    or more, KV, D), this step's keys and values (needed for rows of several queries); sinks: (H,)
+    attention sinks' logits, or None. Returns (tokens, H, D)."""
     if pairs.queries > 1:
-        return _multi_query_pages(q, k_cache, v_cache, pairs, scale, k, v)
+        return _multi_query_pages(q, k_cache, v_cache, pairs, scale, k, v, sinks)
     batch, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     q_pairs = (
@@ -230,10 +282,10 @@ def flash_pages_attention(q, k_cache, v_cache, pairs: PagePairs, scale: float, k
         block_size,
         scale,
     )
-    return combine_pairs(out, lse, pairs)
+    return combine_pairs(out, lse, pairs, sinks)
 
 
-def _multi_query_pages(q, k_cache, v_cache, pairs: PagePairs, scale: float, k, v):
+def _multi_query_pages(q, k_cache, v_cache, pairs: PagePairs, scale: float, k, v, sinks=None):
     """flash_pages_attention for rows of up to Q = pairs.queries tokens: the cached prefix through
     the (row, block) pairs, the rows' own tokens through the causal chunk kernel, then per token the
     combine over W + 1 partials."""
@@ -274,24 +326,17 @@ def _multi_query_pages(q, k_cache, v_cache, pairs: PagePairs, scale: float, k, v
         [lse.to(acc).masked_fill(empty[..., None], float("-inf")), own_lse.t()[:, None].to(acc)],
         dim=1,
     )
-    weights = torch.softmax(lse, dim=1)
     parts = torch.cat([out, own[:, None]], dim=1).to(acc)  # (tokens, W + 1, H, D)
-    return (weights[..., None] * parts).sum(dim=1).to(q.dtype)
+    return _weigh(lse, parts, sinks).to(q.dtype)
 
 
-def flash_pages_supported(
-    device, dtype, head_dim: int, quantized: bool, sliding_window, sinks: bool = False
-) -> str | None:
+def flash_pages_supported(device, dtype, head_dim: int, quantized: bool) -> str | None:
     """None when flash pages can run here, else why not (the padded gather runs instead). On CPU it
     runs only when asked for (attention_backend="flash_pages"), through
     pairs_attention_reference."""
     device = torch.device(device)
     if quantized:
         return "the KV cache is quantized (fp8): the kernel reads only the model's dtype"
-    if sliding_window is not None:
-        return "the model uses a sliding window"
-    if sinks:  # the combine of the pages' partials has no term for a sink's share of the mass
-        return "the model has attention sinks (gpt-oss)"
     if device.type != "cuda":
         return None
     if dtype not in FLASH_DTYPES:
@@ -310,14 +355,8 @@ def choose_attention_backend(config, hf_config, quantized: bool) -> str:
     it runs)."""
     if config.attention_backend == "gather":
         return "gather"
-    windows = {sliding_window_of(hf_config, i) for i in range(hf_config.num_hidden_layers)} - {None}
     why = flash_pages_supported(
-        config.device,
-        getattr(torch, config.dtype),
-        head_dim_of(hf_config),
-        quantized,
-        next(iter(windows), None),
-        has_attention_sinks(hf_config),
+        config.device, getattr(torch, config.dtype), head_dim_of(hf_config), quantized
     )
     if config.attention_backend == "flash_pages" and why is not None:
         raise ValueError(

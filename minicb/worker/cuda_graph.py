@@ -47,7 +47,7 @@ import torch
 from ..config import cdiv
 from ..model_executor.attention import AttentionMetadata, cache_locations, pad_tables
 from ..model_executor.fused_moe import expert_load
-from ..model_executor.paged_flash import page_pairs
+from ..model_executor.paged_flash import decode_pages
 from .graph_safety import NoHostReads
 from .model_runner import host_inputs
 
@@ -202,15 +202,9 @@ class DecodeGraphRunner:
         ]
 
         def step():
-            if self.pages:  # the (row, block) pairs, computed on the device inside the graph
-                meta.pages = page_pairs(
-                    meta.block_tables,
-                    meta.context_lens,
-                    self.block_size,
-                    self.kv_cache.num_locations,
-                    q,
-                    meta.query_start_loc,
-                )
+            if self.pages:  # each group's (row, block) pairs, computed on the device in the graph
+                for m, window in zip(metas, self.kv_cache.group_windows):
+                    m.pages = decode_pages(m, self.block_size, self.kv_cache.num_locations, window)
             # (b * q, hidden): the logits run after
             hidden = self.model(input_ids, positions, self.kv_cache, metas if metas[1:] else meta)
             load = expert_load(self.model)

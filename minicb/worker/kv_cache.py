@@ -58,6 +58,7 @@ class KVCache:
         groups = kv_cache_groups or (KVCacheGroupSpec(tuple(range(self.num_layers))),)
         self.num_groups, self.num_slots = len(groups), group_size_of(groups)
         self.layer_group, slot_of = layer_slots(groups, self.num_layers)
+        self.group_windows = [g.sliding_window for g in groups]  # decode pages are cut to them
         self.num_blocks = num_blocks  # blocks the BlockManager may hand out: ids 0..num_blocks-1
         self.block_size = block_size
         # (kv heads, K width, V width); multi-head latent attention: (1, latent width, 0)

@@ -29,7 +29,7 @@ from ..model_executor.attention import (
     to_device,
 )
 from ..model_executor.fused_moe import expert_load
-from ..model_executor.paged_flash import page_pairs
+from ..model_executor.paged_flash import decode_pages
 from ..model_executor.ragged_attention import decode_groups
 from ..outputs import Logprob
 from ..sample.logprobs import gather_logprobs, logprobs, prompt_logprobs
@@ -153,34 +153,34 @@ class ModelRunner:
         reads_pages_in_place = self.attention_backend == "flash_pages" and nd
         groups_decodes_on_cpu = self.device.type == "cpu" and nd
         if reads_pages_in_place:  # decode reads the pages in place
-            meta.pages = page_pairs(
-                meta.block_tables[:nd],
-                meta.context_lens[:nd],
-                self.config.block_size,
-                self.kv_cache.num_locations,
-                meta.decode_query_len,
-                meta.query_start_loc[: nd + 1],
-                meta.decode_slots,
-            )
+            meta.pages = self._pages(meta, 0)
         elif groups_decodes_on_cpu:  # eager CPU: decode rows grouped by length, once a step
             meta.decode_groups = self._decode_groups(h, h.block_tables)
         if h.group_tables:  # KV cache groups: the same rows, each group's blocks
-            meta = [meta] + [self._group_meta(meta, h, tables) for tables in h.group_tables]
+            metas = enumerate(h.group_tables, 1)
+            meta = [meta] + [self._group_meta(meta, h, tables, g) for g, tables in metas]
         as_tensor = lambda x: to_device(x, self.device)
         return as_tensor(h.input_ids), as_tensor(h.positions), meta, h.logits_indices
 
-    def _group_meta(self, meta: AttentionMetadata, h: HostInputs, tables) -> AttentionMetadata:
+    def _pages(self, meta: AttentionMetadata, group: int):
+        kv = self.kv_cache
+        return decode_pages(meta, self.config.block_size, kv.num_locations, kv.group_windows[group])
+
+    def _group_meta(self, meta: AttentionMetadata, h: HostInputs, tables, group: int):
         """Another group's metadata: only where its tokens go and which blocks it reads differ."""
         bs, sink = self.config.block_size, self.kv_cache.sink_block_id
         width = max((len(t) for t in tables), default=0)
         locs = cache_locations(tables, h.context_lens, h.query_lens, bs)
         grouped = self.device.type == "cpu" and h.num_decodes
-        return replace(
+        meta = replace(
             meta,
             cache_locs=to_device(locs, self.device),
             block_tables=to_device(pad_tables(tables, width, sink), self.device),
             decode_groups=self._decode_groups(h, tables) if grouped else None,
         )
+        if self.attention_backend == "flash_pages" and h.num_decodes:  # this group's pages
+            meta.pages = self._pages(meta, group)
+        return meta
 
     def _decode_groups(self, h: HostInputs, tables):
         nd = h.num_decodes
