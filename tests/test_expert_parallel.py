@@ -56,7 +56,33 @@ def test_expert_shards_put_back_together_are_the_experts():
     assert shard_config(hf.config, 2).intermediate_size == 64  # split experts: half of each
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def test_gpt_oss_shards_put_back_together_are_its_sinks_and_experts():
+    """gpt-oss keeps its experts stacked, gate and up interleaved, with biases: split like a dense
+    MLP, the shards rebuild them (the down projection's bias counted once); kept whole, each rank
+    holds E / 2 of them; either way a rank holds the sinks of its own heads."""
+    hf = make_tiny_model("gpt_oss", seed=2)
+    sd = hf.state_dict()
+    split = [shard_state_dict(sd, r, 2) for r in range(2)]
+    whole = [shard_state_dict(sd, r, 2, hf.config) for r in range(2)]
+    experts = "model.layers.0.mlp.experts."
+    cat = lambda shards, name, dim: torch.cat([s[name] for s in shards], dim=dim)
+    for shards in (split, whole):
+        assert torch.equal(
+            cat(shards, "model.layers.0.self_attn.sinks", 0), sd["model.layers.0.self_attn.sinks"]
+        )
+    for name, dim in (("gate_up_proj", -1), ("gate_up_proj_bias", -1), ("down_proj", 1)):
+        assert torch.equal(cat(split, experts + name, dim), sd[experts + name])
+        assert torch.equal(cat(whole, experts + name, 0), sd[experts + name])
+    bias = experts + "down_proj_bias"
+    assert torch.equal(split[0][bias] + split[1][bias], sd[bias]) and not split[1][bias].any()
+    router = "model.layers.0.mlp.router.weight"
+    assert all(torch.equal(s[router], sd[router]) for s in split + whole)
+    local = shard_config(hf.config, 2, expert_parallel=True)
+    assert local.intermediate_size == hf.config.intermediate_size  # whole experts
+    assert shard_config(hf.config, 2).intermediate_size == hf.config.intermediate_size // 2
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
 def loaded(request, tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, seed=4)
     return load_model(path, dtype=torch.float64)

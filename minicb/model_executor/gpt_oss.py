@@ -70,3 +70,25 @@ def gpt_oss_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         else:
             out[name] = t
     return out
+
+
+def is_gpt_oss_shardable(name: str) -> bool:
+    """Is `name` one of the gpt-oss tensors that tensor parallelism splits by gpt_oss_shard?"""
+    return name.endswith(".sinks") or ".mlp.experts." in name
+
+
+def gpt_oss_shard(name: str, t: torch.Tensor, rank: int, n: int, expert_parallel: bool):
+    """Rank `rank`'s share of a gpt-oss sink or expert tensor, in the checkpoint's layout (before
+    gpt_oss_weights): a sink per query head, split with the heads; whole experts with expert
+    parallelism; else every expert split like a dense MLP. Gate and up are interleaved along the
+    last dim of gate_up_proj, so a contiguous chunk of it holds the same features of both. The down
+    projection's bias is added once, by rank 0, since the ranks' outputs are summed."""
+    if name.endswith(".sinks"):
+        return t.chunk(n)[rank].clone()
+    if expert_parallel:
+        return t.chunk(n, dim=0)[rank].clone()  # (E, ...): E / n whole experts
+    if name.endswith("experts.down_proj_bias"):  # (E, hidden)
+        return t.clone() if rank == 0 else torch.zeros_like(t)
+    if name.endswith("experts.down_proj"):  # (E, I, hidden): the input features
+        return t.chunk(n, dim=1)[rank].clone()
+    return t.chunk(n, dim=-1)[rank].clone()  # gate_up_proj (E, hidden, 2 I), its bias (E, 2 I)

@@ -46,6 +46,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from ..model_executor.fused_moe import SparseMoeBlock
+from ..model_executor.gpt_oss import gpt_oss_shard, is_gpt_oss_shardable
 from ..model_executor.hf_config import head_dim_of, mla_spec_of, moe_spec_of, num_kv_heads_of
 from ..model_executor.weights import per_expert_names
 from .expert_parallel import ExpertParallelMoE, expert_slice
@@ -62,11 +63,6 @@ def check_tensor_parallel(hf_config, n: int, expert_parallel: bool = False) -> N
         raise ValueError(
             "tensor_parallel_size > 1 is not supported with multi-head latent attention "
             "(DeepSeek-V3) yet"
-        )
-    if hf_config.model_type == "gpt_oss":  # weights.per_expert_names reads no gpt-oss experts
-        raise ValueError(
-            "tensor_parallel_size > 1 is not supported for gpt-oss yet: its sinks and its experts' "
-            "biases and interleaved gate_up are not sharded"
         )
     if heads % n:
         raise ValueError(
@@ -109,7 +105,8 @@ def shard_config(hf_config, n: int, expert_parallel: bool = False):
     local.head_dim = head_dim_of(hf_config)
     local.num_attention_heads = hf_config.num_attention_heads // n
     local.num_key_value_heads = num_kv_heads_of(hf_config) // n
-    if hf_config.model_type != "mixtral" or not expert_parallel:  # Mixtral's: its experts' size
+    # Mixtral's and gpt-oss's intermediate_size is their experts': whole with expert parallelism
+    if hf_config.model_type not in ("mixtral", "gpt_oss") or not expert_parallel:
         local.intermediate_size = hf_config.intermediate_size // n
     if hf_config.model_type == "qwen3_moe" and not expert_parallel:
         local.moe_intermediate_size = hf_config.moe_intermediate_size // n
@@ -128,9 +125,12 @@ def shard_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Rank `rank`'s slice of every weight (Hugging Face names). Rows of q/k/v are head after head,
     so a contiguous chunk of rows is a contiguous run of whole heads. Experts are split like dense
-    MLPs, or, given the model's config for expert parallelism, kept whole: E / n of them."""
-    state_dict = per_expert_names(state_dict)  # every expert's gate, up and down apart
-    if expert_parallel_config is not None:
+    MLPs, or, given the model's config for expert parallelism, kept whole: E / n of them. gpt-oss's
+    sinks and stacked experts have rules of their own (gpt_oss.gpt_oss_shard)."""
+    gpt_oss = any(name.endswith(".sinks") for name in state_dict)
+    if not gpt_oss:
+        state_dict = per_expert_names(state_dict)  # every expert's gate, up and down apart
+    if expert_parallel_config is not None and not gpt_oss:
 
         def num_experts_of(name: str) -> int:
             layer = int(name.split("layers.")[1].split(".")[0])
@@ -140,7 +140,9 @@ def shard_state_dict(
     out = {}
     for name, t in state_dict.items():
         kind = name.split(".")[-2] if name.count(".") >= 1 else ""
-        if expert_parallel_config is not None and ".experts." in name:
+        if gpt_oss and is_gpt_oss_shardable(name):
+            out[name] = gpt_oss_shard(name, t, rank, n, expert_parallel_config is not None)
+        elif expert_parallel_config is not None and ".experts." in name:
             out[name] = t  # a whole expert of this rank's share
         elif kind in COLUMN_SPLIT:
             out[name] = t.chunk(n, dim=0)[rank].clone()
