@@ -57,6 +57,26 @@ def add_arguments(parser) -> None:
         default=2,
         help="spec, loop: runs of each system, alternating (default 2)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "auto"],
+        help="spec: the engine's dtype (default float32; 'auto' as in EngineConfig)",
+    )
+    parser.add_argument(
+        "--spec-workloads",
+        nargs="+",
+        default=["c1", "w1"],
+        choices=["c1", "w1"],
+        help="spec: which workloads (default both)",
+    )
+    parser.add_argument(
+        "--c1-slots",
+        type=int,
+        nargs="+",
+        default=[1, 4, 16],
+        help="spec: C1's numbers of slots (default 1 4 16)",
+    )
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
 
 
@@ -111,7 +131,12 @@ def main(args) -> None:
     if args.workload in ("spec", "all"):
         from .spec import print_spec, run_spec_bench
 
-        results["spec"] = run_spec_bench(repeats=args.repeats)
+        results["spec"] = run_spec_bench(
+            workloads=args.spec_workloads,
+            repeats=args.repeats,
+            c1_slots=args.c1_slots,
+            dtype=args.dtype,
+        )
         print_spec(results["spec"])
     if args.workload in ("loop", "all"):
         from .loop import print_loop, run_loop_bench

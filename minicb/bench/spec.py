@@ -76,13 +76,21 @@ def copy_workload(tokenizer, num_requests: int = 16) -> tuple[list[list[int]], l
 
 
 def run_once(
-    loaded, prompts, max_tokens, ignore_eos: bool, speculative_config=None, max_num_seqs=None
+    loaded,
+    prompts,
+    max_tokens,
+    ignore_eos: bool,
+    speculative_config=None,
+    max_num_seqs=None,
+    dtype: str = "float32",
 ) -> dict:
     """One run on a fresh engine: wall time, tokens, steps, decode steps, the outputs and the
     drafts' counters."""
     from ..engine.llm import LLM
 
-    llm = LLM.from_loaded(loaded, speculative_config=speculative_config, max_num_seqs=max_num_seqs)
+    llm = LLM.from_loaded(
+        loaded, speculative_config=speculative_config, max_num_seqs=max_num_seqs, dtype=dtype
+    )
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=ignore_eos) for n in max_tokens
     ]
@@ -99,6 +107,7 @@ def run_once(
         steps=len(trace),
         decode_steps=sum(1 for s in trace if s.num_decode_rows),
         tokens=tokens,
+        dtype=llm.engine.config.dtype,  # what "auto" resolved to
         drafts=stats.num_draft_tokens,
         accepted=stats.num_accepted_tokens,
         acceptance_rate=stats.acceptance_rate,
@@ -115,6 +124,7 @@ def compare(
     cooldown_s: float = 5.0,
     speculative_config=SPEC,
     max_num_seqs=None,
+    dtype: str = "float32",
 ) -> dict:
     """Runs off and on, alternating, `repeats` times each; the faster run of each, and their
     ratios."""
@@ -131,6 +141,7 @@ def compare(
                     ignore_eos,
                     speculative_config if spec else None,
                     max_num_seqs,
+                    dtype,
                 )
             )
     off, on = (min(runs[s], key=lambda r: r["wall_s"]) for s in (False, True))
@@ -153,10 +164,15 @@ C1_SLOTS = (1, 4, 16)
 
 
 def run_spec_bench(
-    workloads=("c1", "w1"), repeats: int = 2, cooldown_s: float = 5.0, c1_slots=C1_SLOTS
+    workloads=("c1", "w1"),
+    repeats: int = 2,
+    cooldown_s: float = 5.0,
+    c1_slots=C1_SLOTS,
+    dtype: str = "float32",
 ) -> dict:
     """C1 (at each of `c1_slots`) and W1, each without and with prompt-lookup speculation (k = 4,
-    n-gram 3), in this process."""
+    n-gram 3), in this process, in `dtype` ("auto": bfloat16 where the CPU multiplies it natively
+    and it is faster, cpu_precision.py)."""
     import torch
 
     from ..model_executor.loader import load_model
@@ -165,7 +181,7 @@ def run_spec_bench(
     torch.set_num_threads(os.cpu_count())
     loaded = load_model(None)
     report = dict(
-        machine=f"{os.cpu_count()} cores of {cpu_model()}, torch {torch.__version__}, float32",
+        machine=f"{os.cpu_count()} cores of {cpu_model()}, torch {torch.__version__}",
         speculative_config=SPEC,
         results={},
     )
@@ -180,7 +196,9 @@ def run_spec_bench(
                 repeats=repeats,
                 cooldown_s=cooldown_s,
                 max_num_seqs=slots,
+                dtype=dtype,
             )
+            report["dtype"] = res["on"]["dtype"]
             report["results"][f"{name}@{slots or 64}"] = res | dict(
                 num_requests=len(prompts), slots=slots or 64
             )
@@ -188,7 +206,10 @@ def run_spec_bench(
 
 
 def print_spec(report: dict, print_fn=print) -> None:
-    print_fn(f"\nSpeculative decoding, {report['speculative_config']}, on {report['machine']}")
+    dtype = report.get("dtype", "float32")
+    print_fn(
+        f"\nSpeculative decoding, {report['speculative_config']}, on {report['machine']}, {dtype}"
+    )
     print_fn(
         f"{'work@slots':10} {'drafts':7} {'tok/s':>7} {'wall s':>7} {'runs (s)':>14} {'steps':>6} "
         f"{'decode':>7} {'accepted':>9} {'tokens/verify':>13}"

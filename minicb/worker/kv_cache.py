@@ -109,7 +109,7 @@ class KVCache:
         # the prefix cache's CPU tier (core/kv_offload.py): copies of evicted prefix blocks, in a
         # host pool of their own, moved on a stream of their own on CUDA (kv_offload.py)
         self.num_offload_blocks = num_offload_blocks
-        self.tier = CpuGpuOffloadingHandler(self, num_offload_blocks)
+        self.tier = CpuGpuOffloadingHandler(self.k, self.v, num_offload_blocks)
 
     @property
     def num_bytes(self) -> int:

@@ -40,17 +40,19 @@ def runs(indices: list[int]) -> list[tuple[int, int, int]]:
 
 
 class CpuGpuOffloadingHandler:
-    """The tier's host pool for one KVCache, and its copies (see the module's docstring)."""
+    """The tier's host pool for one KVCache's device pools `pool_k`, `pool_v` (layers of a group,
+    blocks, ...), and its copies (see the module's docstring). It holds the pools, not the KVCache:
+    an engine must be freed by reference counting, with no cycle (its heap is frozen)."""
 
-    def __init__(self, kv_cache, num_blocks: int):
-        self.kv = kv_cache
+    def __init__(self, pool_k: torch.Tensor, pool_v: torch.Tensor, num_blocks: int):
+        self.pool_k, self.pool_v, self.device = pool_k, pool_v, pool_k.device
         self.num_blocks = num_blocks
-        pin = kv_cache.device.type == "cuda"
+        pin = self.device.type == "cuda"
         self.k, self.v = (
             torch.zeros((num_blocks, t.shape[0], *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
-            for t in (kv_cache.k, kv_cache.v)
+            for t in (pool_k, pool_v)
         )
-        self.stream = torch.cuda.Stream(kv_cache.device) if pin and num_blocks else None
+        self.stream = torch.cuda.Stream(self.device) if pin and num_blocks else None
 
     def offload(self, pairs: list[tuple[int, int]]) -> None:
         """Copy evicted device blocks into tier slots. pairs: (device block, tier slot)."""
@@ -58,18 +60,18 @@ class CpuGpuOffloadingHandler:
             return
         blocks, slots = [b for b, _ in pairs], [s for _, s in pairs]
         if self.stream is None:  # on the step's stream, the host waiting (on CUDA)
-            index = torch.tensor(blocks, device=self.kv.device)
-            for tier, pool in ((self.k, self.kv.k), (self.v, self.kv.v)):
+            index = torch.tensor(blocks, device=self.device)
+            for tier, pool in ((self.k, self.pool_k), (self.v, self.pool_v)):
                 gathered = pool.index_select(1, index).transpose(0, 1).cpu()
                 tier.index_copy_(0, torch.tensor(slots), gathered)
             return
-        step_stream = torch.cuda.current_stream(self.kv.device)
+        step_stream = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(step_stream)
         with torch.cuda.stream(self.stream):
-            index = to_device(blocks, self.kv.device)
+            index = to_device(blocks, self.device)
             gathered = [
                 pool.index_select(1, index).transpose(0, 1).contiguous()
-                for pool in (self.kv.k, self.kv.v)
+                for pool in (self.pool_k, self.pool_v)
             ]
             step_stream.wait_stream(self.stream)  # the gather, queued so far, and no more
             for tier, g in zip((self.k, self.v), gathered):
@@ -82,18 +84,18 @@ class CpuGpuOffloadingHandler:
             return
         slots, blocks = [s for s, _ in pairs], [b for _, b in pairs]
         if self.stream is None:
-            index = torch.tensor(blocks, device=self.kv.device)
-            for tier, pool in ((self.k, self.kv.k), (self.v, self.kv.v)):
-                staged = tier.index_select(0, torch.tensor(slots)).to(self.kv.device)
+            index = torch.tensor(blocks, device=self.device)
+            for tier, pool in ((self.k, self.pool_k), (self.v, self.pool_v)):
+                staged = tier.index_select(0, torch.tensor(slots)).to(self.device)
                 pool.index_copy_(1, index, staged.transpose(0, 1))
             return
-        step_stream = torch.cuda.current_stream(self.kv.device)
+        step_stream = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(step_stream)
         with torch.cuda.stream(self.stream):
-            index = to_device(blocks, self.kv.device)
-            for tier, pool in ((self.k, self.kv.k), (self.v, self.kv.v)):
+            index = to_device(blocks, self.device)
+            for tier, pool in ((self.k, self.pool_k), (self.v, self.pool_v)):
                 staged = torch.empty(
-                    (len(pairs), *tier.shape[1:]), dtype=tier.dtype, device=self.kv.device
+                    (len(pairs), *tier.shape[1:]), dtype=tier.dtype, device=self.device
                 )
                 for i, slot, n in runs(slots):
                     staged[i : i + n].copy_(tier[slot : slot + n], non_blocking=True)
