@@ -1,11 +1,10 @@
 """A bounded load test of the HTTP server, measured against the offline engine on the same requests.
 
-    python -m minicb.serve.loadtest                    # `python -m minicb serve` (engine-core
-    process) on loopback python -m minicb.serve.loadtest --engine both      # that, then `serve
-    --engine-in-process`: both printed python -m minicb.serve.loadtest --tiny             # a tiny
-    random model: a smoke test in seconds python -m minicb.serve.loadtest --soak             # 64
-    clients for 60 s, walk-aways, a flood (soak.py) python -m minicb.serve.loadtest --url
-    http://127.0.0.1:8000    # a server already running (loopback only)
+    python -m minicb.serve.loadtest                  # `python -m minicb serve` on loopback
+    python -m minicb.serve.loadtest --engine both    # that, then `serve --engine-in-process`
+    python -m minicb.serve.loadtest --tiny           # a tiny random model: a smoke test in seconds
+    python -m minicb.serve.loadtest --soak           # 64 clients for 60 s, walk-aways, a flood
+    python -m minicb.serve.loadtest --url http://127.0.0.1:8000   # a server already running
 
 At each level, `clients` clients send streaming requests (by default one each, at least 8 in all), a
 new one as soon as one ends. Each client measures on its own clock: TTFT = send -> first token,
