@@ -215,6 +215,7 @@ def test_spec_bench_compares_the_same_outputs_and_prints_the_ratios(tmp_path, ca
         and off["drafts"] == 0
     )
     assert res["step_ratio"] == off["decode_steps"] / on["decode_steps"]
+    assert res["same_outputs"] == 1.0 and on["dtype"] == off["dtype"] == "float32"
     assert res["speedup"] == on["throughput"] / off["throughput"]
     spec.print_spec(
         dict(
