@@ -155,40 +155,33 @@ def test_flash_pages_kernel_with_a_window_and_sinks_matches_the_reference(window
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
+def assert_flash_pages_graphs_match_eager(loaded):
+    """Real graphs reading the pages in place against eager steps, in bfloat16."""
+    runner, graphs = make_runner(
+        loaded,
+        device="cuda",
+        dtype="bfloat16",
+        block_size=16,
+        num_blocks=256,
+        max_num_seqs=16,
+        max_model_len=200,
+        attention_backend="flash_pages",
+    )
+    assert graphs.pages and not graphs.emulated
+    assert_replays_match_eager(runner, graphs, 200, atol=3e-2)
+
+
 def test_real_graphs_of_a_windowed_model_with_flash_pages_match_eager(tmp_path):
     """Pages cut to Mistral's window (one KV cache group: make_runner's synthetic rows carry one
     table), replayed from real graphs against eager steps, in bfloat16 (float64 parity with
     transformers, every windowed model, is test_paged_flash.py's)."""
     loaded = load_model(save_tiny_model(tmp_path, arch="mistral_window", seed=1), torch.bfloat16)
-    runner, graphs = make_runner(
-        loaded,
-        device="cuda",
-        dtype="bfloat16",
-        block_size=16,
-        num_blocks=256,
-        max_num_seqs=16,
-        max_model_len=200,
-        attention_backend="flash_pages",
-    )
-    assert graphs.pages and not graphs.emulated
-    assert_replays_match_eager(runner, graphs, 200, atol=3e-2)
+    assert_flash_pages_graphs_match_eager(loaded)
 
 
 def test_real_graphs_with_flash_pages_match_eager(tiny):
     path, _, _ = tiny
-    loaded = load_model(path, dtype=torch.bfloat16)
-    runner, graphs = make_runner(
-        loaded,
-        device="cuda",
-        dtype="bfloat16",
-        block_size=16,
-        num_blocks=256,
-        max_num_seqs=16,
-        max_model_len=200,
-        attention_backend="flash_pages",
-    )
-    assert graphs.pages and not graphs.emulated
-    assert_replays_match_eager(runner, graphs, 200, atol=3e-2)
+    assert_flash_pages_graphs_match_eager(load_model(path, dtype=torch.bfloat16))
 
 
 def test_defaults_on_cuda_size_the_cache_from_the_gpu(tiny):
