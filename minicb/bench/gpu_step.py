@@ -327,16 +327,12 @@ def tier_overlap(
     loaded = _load(model_path, loaded, dtype)
     final = history + (turns - 1) * (answer + message) + answer
     num_blocks = max(8, conversations * final // block_size // 3)
+    # a tier that holds every conversation's history, with a fifth to spare
+    per_token = kv_bytes_per_token(loaded.hf_config, getattr(torch, dtype))
+    tier_gib = 1.2 * conversations * final * per_token / 2**30
     rows, first_answers = [], None
     for name in ("no tier", "tier, own stream", "tier, step's stream"):
-        # a tier that holds every conversation's history, with a fifth to spare
-        gib = (
-            1.2
-            * conversations
-            * final
-            * kv_bytes_per_token(loaded.hf_config, getattr(torch, dtype))
-        )
-        tier = {} if name == "no tier" else {"kv_offloading_size": gib / 2**30}
+        tier = {} if name == "no tier" else {"kv_offloading_size": tier_gib}
         llm = LLM.from_loaded(
             loaded,
             device=device,
