@@ -296,6 +296,24 @@ def test_busy_union_counts_overlapping_kernels_once():
     assert busy_union_us([(20, 25), (0, 10), (10, 11)]) == 16
 
 
+def test_idle_split_separates_a_graphs_own_gaps_from_the_gaps_between_steps():
+    """bench --workload idle: two replays of a graph (id 7 and 9, three kernels each with 1 us
+    gaps), a sampling kernel (id 8) after the first, and the device idle 5 us before the second."""
+    from minicb.bench.gpu_step import idle_split
+
+    kernels = [(0, 4, 7), (5, 9, 7), (10, 14, 7), (14, 16, 8)]
+    kernels += [(21, 25, 9), (26, 30, 9), (31, 35, 9), (35, 36, 0)]
+    split = idle_split(kernels, min_graph_kernels=3)
+    assert split["graph_replays"] == 2 and split["window_us"] == 36
+    assert split["idle_us"] == 9  # 2 + 5 + 2
+    assert split["idle_in_graphs_us"] == 4 and split["idle_between_us"] == 5
+    # keyed per kernel (no replay found), every gap counts as between the steps
+    assert (
+        idle_split([(s, e, i + 1) for i, (s, e, _) in enumerate(kernels)], 3)["idle_between_us"]
+        == 9
+    )
+
+
 def test_loop_shares_from_step_times():
     """bench --workload loop: host share and device idle from hand-made StepTimes (seconds)."""
     from minicb.bench.loop import loop_shares

@@ -277,6 +277,36 @@ def test_async_decode_steps_never_wait_for_the_device(tiny):
     assert eng.runner.graph_runner.num_replays > 0
 
 
+def test_the_profiler_groups_a_graph_replays_kernels_by_its_launch():
+    """bench --workload idle tells a graph's own gaps from the gaps between steps by the
+    correlation id a replay's kernels share (idle_split): three replays of a 24-kernel graph, with
+    a kernel launched eagerly between them, must come out as three replays."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from minicb.bench.gpu_step import idle_split
+
+    x = torch.ones(1024, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x
+        for _ in range(24):
+            y = y * 1.0001
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+            x.add_(1)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    by = lambda key: idle_split([(e.time_range.start, e.time_range.end, key(e)) for e in events])
+    found = {
+        "id": by(lambda e: e.id)["graph_replays"],
+        "linked": by(lambda e: getattr(e, "linked_correlation_id", 0))["graph_replays"],
+    }
+    assert 3 in found.values(), found
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_moe_real_graphs_match_eager_and_transformers(tmp_path, arch):
     """A mixture of experts in float64 on CUDA: no grouped kernel for float64, so the captured steps
