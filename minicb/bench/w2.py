@@ -284,8 +284,9 @@ def main(argv=None) -> None:
             emit(profile_decode_step(loaded=loaded, dtype=args.dtype, attention_backend=backend))
         return
     if args.workload == "idle":  # issue 32: under 5% of the step with async scheduling
-        # sync, async launched on the engine's thread, on the device thread, inline again
+        # sync, async launched on the engine's thread, on the device thread, inline twice more
         runs = ((False, "inline"), (True, "inline"), (True, "thread"), (True, "inline"))
+        runs += ((True, "inline"),)
         for i, (async_scheduling, launch) in enumerate(runs):
             # the last run also writes a cProfile of the host's side, where --host-profile says
             last = args.host_profile if i == len(runs) - 1 else None
