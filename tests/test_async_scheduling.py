@@ -205,6 +205,28 @@ def test_placeholders_are_filled_from_the_step_before(loaded):
     eng.shutdown()
 
 
+def test_fill_placeholders_finds_each_rows_token_in_the_step_before():
+    """Rows of several tokens around placeholder ones: each placeholder takes its own request's
+    token from the step before's; one whose request is missing there (its sampling failed) is fed
+    0 and left out; tokens that are not placeholders stay."""
+    from types import SimpleNamespace as NS
+
+    P = PLACEHOLDER_TOKEN_ID
+    rows = [NS(request=NS(request_id=r), num_tokens=n) for r, n in (("a", 1), ("b", 3), ("c", 1))]
+    rows += [NS(request=NS(request_id="d"), num_tokens=2)]
+    h = NS(input_ids=[P, 5, 6, 8, P, 4, P], row_starts=[0, 1, 4, 5])
+    prev = (torch.tensor([70, 71, 72]), {"b": 0, "a": 2, "d": 1})  # "c" failed
+    positions, tokens = fill_placeholders(NS(scheduled=rows), h, prev, "cpu")
+    assert positions.tolist() == [0, 6] and tokens.tolist() == [72, 71]
+    assert h.input_ids == [0, 5, 6, 8, 0, 4, 0]
+    assert (
+        fill_placeholders(
+            NS(scheduled=rows), NS(input_ids=[1] * 7, row_starts=[0, 1, 4, 5]), prev, "cpu"
+        )
+        is None
+    )
+
+
 def test_drafts_are_refused_with_a_reason():
     with pytest.raises(ValueError, match="async_scheduling=True does not work with speculative"):
         EngineConfig(

@@ -323,7 +323,8 @@ class DecodeGraphRunner:
             copy(locs[:num_tokens], cache_locations(group, h.context_lens, h.query_lens, bs))
             copy(tables[:num_rows, :width], pad_tables(group, width, self.sink_block_id))
             tables[:num_rows, width:] = self.sink_block_id
-        self._pad(num_rows, key[0], q)
+        if num_rows < key[0]:
+            self._pad(num_rows, key[0], q)
         graph = (self.graphs if q == 1 else self.verify_graphs)[key]
         graph.replay()
         self.last_bucket, self.last_width = key

@@ -46,18 +46,18 @@ def fill_placeholders(out: SchedulerOutput, h: HostInputs, prev, device):
     in input_ids, their tokens) as device tensors for ModelRunner.execute(fill=...), or None. A
     placeholder of a request missing from `prev` (its step or its sampling failed, so it fails too)
     is fed token 0."""
-    positions, sources = [], []
     ids, index = h.input_ids, {} if prev is None else prev[1]
-    for row, start in zip(out.scheduled, h.row_starts):
-        if PLACEHOLDER_TOKEN_ID not in ids[start : start + row.num_tokens]:
-            continue
-        i = index.get(row.request.request_id)
-        for j in range(start, start + row.num_tokens):
-            if ids[j] == PLACEHOLDER_TOKEN_ID:
-                ids[j] = 0  # a valid id until the device writes the sampled one
-                if i is not None:
-                    positions.append(j)
-                    sources.append(i)
+    found = [j for j, token in enumerate(ids) if token == PLACEHOLDER_TOKEN_ID]
+    positions, sources = [], []
+    rows, starts, row = out.scheduled, h.row_starts, 0
+    for j in found:  # in order, so the row that holds each is found walking forward
+        while row + 1 < len(starts) and starts[row + 1] <= j:
+            row += 1
+        ids[j] = 0  # a valid id until the device writes the sampled one
+        i = index.get(rows[row].request.request_id)
+        if i is not None:
+            positions.append(j)
+            sources.append(i)
     if not positions:
         return None
     # one copy to the device, not two: on the H200's host each took about a millisecond
