@@ -5,8 +5,9 @@
 #   tests      the GPU tests (graphs, flash pages, verify rows of 1 + k queries, async scheduling)
 #   attention  one layer's decode attention against one read of the K/V (the read floor)
 #   w2         W2 with the defaults and with async scheduling, in one run (issue 32: >= 1.15x)
-#   idle       GPU idle between decode steps at batch 256: sync, async, async launched from the
-#              device thread, async again (issue 32: < 5% async), with the host's side
+#   idle       GPU idle at batch 256, all of it and between the steps' forward passes (issue 32:
+#              < 5% async; idle_split), sync, async inline, from the device thread, inline twice
+#              more, with the host's side
 #   tier       the prefix cache's CPU tier on a multi-turn workload: no tier, its copies on their
 #              own stream, on the step's stream (issue 39); tier8b: the same on Qwen3-8B's shape
 #   moe        opt-in (name it in STAGES): W2 on a Qwen3-30B-A3B-shaped mixture of experts with random
