@@ -137,6 +137,41 @@ def test_summarize_level_counts_tokens_over_the_wall_time():
     assert row["done"] == 2 and row["all_blocks_free"] and not row["errors"]
 
 
+def test_a_servers_cpu_is_its_own_and_its_childrens(capsys):
+    """The load test prints what each level cost the clients, the API process and the engine core
+    (server_cpu): here this very process plays the server, and a child that spins for a while
+    plays its engine core."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from minicb.serve import loadgen
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", spin + "time.sleep(30)"])
+    try:
+        loadgen.SERVER_PIDS["http://test"] = os.getpid()
+        before = loadgen.server_cpu("http://test")
+        deadline = time.monotonic() + 20
+        while loadgen.cpu_seconds(child.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = loadgen.server_cpu("http://test")
+    finally:
+        child.kill()
+        child.wait()
+        del loadgen.SERVER_PIDS["http://test"]
+    assert after["children"] - before["children"] >= 0.25  # the child's spin, counted once
+    assert after["server"] >= before["server"] > 0
+    assert loadgen.server_cpu("http://elsewhere") is None  # not started here: not measured
+    cpu = loadtest.level_cpu(time.process_time(), before, after)
+    row = {"done": 4, "requests": 4, "requests_per_s": 2.0, "tokens_per_s": 50.0} | cpu
+    loadtest.print_level_cpu(row, sys.stdout)  # 100 tokens in the level
+    printed = capsys.readouterr().out
+    assert "CPU during the level: clients" in printed and "engine core" in printed
+    assert f"({1000 * cpu['cpu_server_s'] / 100:.2f} ms a token)" in printed
+
+
 def test_serve_command_carries_the_engine_flags():
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
@@ -369,3 +404,8 @@ def test_both_engines_are_measured(tmp_path):
         ("in-process", 4),
     ]
     assert all(r["same_output"] == r["compared"] == 4 for r in result["levels"])
+    # CPU per level: the engine core is a child of the API process, in-process has none
+    assert all(
+        (r["cpu_core_s"] > 0) == (r["engine"] == "core") and r["cpu_server_s"] > 0
+        for r in result["levels"]
+    )

@@ -32,6 +32,39 @@ GAUGES = (
 )
 # the embedded model's first load converts its GGUF file (~20 s); a busy machine is slower
 STARTUP_TIMEOUT_S = 600
+SERVER_PIDS: dict[str, int] = {}  # url -> pid of each server start_server started
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) a live process has used, from /proc (Linux); None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "pid (name)": state is field 3
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def server_cpu(url: str) -> dict[str, float] | None:
+    """CPU seconds so far of a server this process started: its own process (the API server, and
+    the engine too with --engine-in-process) and its descendants (the engine core's process)."""
+    pid = SERVER_PIDS.get(url)
+    if pid is None or cpu_seconds(pid) is None:
+        return None
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:  # it exited meanwhile
+                pass
+    tree, found = {pid}, True
+    while found:
+        found = {p for p, parent in parents.items() if parent in tree and p not in tree}
+        tree |= found
+    children = sum(cpu_seconds(p) or 0.0 for p in tree - {pid})
+    return {"server": cpu_seconds(pid) or 0.0, "children": children}
 
 
 def check_loopback(url: str) -> None:
@@ -171,7 +204,9 @@ def start_server(
     }
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     stack.callback(stop, proc)
-    return wait_until_healthy(proc, f"http://127.0.0.1:{port}", log)
+    url = wait_until_healthy(proc, f"http://127.0.0.1:{port}", log)
+    SERVER_PIDS[url] = proc.pid
+    return url
 
 
 def wait_until_healthy(proc: subprocess.Popen, url: str, log) -> str:

@@ -37,7 +37,15 @@ from dataclasses import asdict
 
 from ..engine.router import ROUTING_POLICIES
 from ..metrics import mean_gap, percentile
-from .loadgen import CANCELLED, check_loopback, http_client, one_request, server_state, start_server
+from .loadgen import (
+    CANCELLED,
+    check_loopback,
+    http_client,
+    one_request,
+    server_cpu,
+    server_state,
+    start_server,
+)
 
 MAX_TPOT_RATIO = 1.25  # at 1 client: the server's TPOT p50 / offline's per-token time, at most
 MIN_THROUGHPUT_RATIO = 0.90  # at more clients: the server's output tokens/s / offline's, at least
@@ -91,6 +99,32 @@ async def run_level(
     await asyncio.gather(*tasks, return_exceptions=True)
     ends = [r["end"] for r in results if "end" in r]
     return results, (max(ends) - t0) if ends else float("nan")
+
+
+def level_cpu(client0: float, server0: dict | None, server1: dict | None) -> dict:
+    """CPU seconds used during a level by the clients (this process: nothing else runs in it then)
+    and, for a server started here, by its process and by its children (the engine core). On 2
+    cores every one of them takes time from the engine's matmuls."""
+    cpu = {"cpu_clients_s": time.process_time() - client0}
+    if server0 is not None and server1 is not None:
+        cpu["cpu_server_s"] = server1["server"] - server0["server"]
+        cpu["cpu_core_s"] = server1["children"] - server0["children"]
+    return cpu
+
+
+def print_level_cpu(row: dict, out) -> None:
+    tokens = row["tokens_per_s"] * row["done"] / row["requests_per_s"] if row["done"] else 0
+    per_token = lambda s: f" ({1000 * s / tokens:.2f} ms a token)" if tokens else ""
+    parts = [f"clients {row['cpu_clients_s']:.2f} s{per_token(row['cpu_clients_s'])}"]
+    if "cpu_server_s" in row:
+        core = row["cpu_core_s"] > 0  # with --engine-in-process the engine runs in the server
+        parts.append(
+            f"{'API process' if core else 'server'} {row['cpu_server_s']:.2f} s"
+            f"{per_token(row['cpu_server_s']) if core else ''}"
+        )
+        if core:
+            parts.append(f"engine core {row['cpu_core_s']:.2f} s")
+    print(f"        CPU during the level: {', '.join(parts)}", file=out)
 
 
 def summarize_level(concurrency: int, results: list[dict], wall: float, state: dict) -> dict:
@@ -267,10 +301,13 @@ async def load_test(
                 if time.monotonic() >= deadline:
                     print(f"{c:>7} skipped: time limit reached", file=out)
                     break
+                cpu0, server0 = time.process_time(), server_cpu(url)
                 results, wall = await run_level(client, bodies, c, deadline)
+                cpu = level_cpu(cpu0, server0, server_cpu(url))
                 row = {
                     "engine": engine,
                     **summarize_level(c, results, wall, await server_state(client)),
+                    **cpu,
                 }
                 if offline is not None and not row["cancelled"] and time.monotonic() < deadline:
                     compare(row, results, offline.run(bodies, c))  # the server is idle now
@@ -285,6 +322,8 @@ async def load_test(
                     f"{'%d/%d' % (row['blocks_free'], row['blocks_total']):>12}",
                     file=out,
                 )
+                if cpu:
+                    print_level_cpu(row, out)
                 if row["cancelled"]:
                     print(
                         f"        {row['cancelled']} requests cancelled at the time limit (clients "
