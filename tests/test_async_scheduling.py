@@ -6,6 +6,7 @@ transformers parity configurations with it too.)"""
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -225,6 +226,58 @@ def test_fill_placeholders_finds_each_rows_token_in_the_step_before():
         )
         is None
     )
+
+
+def voluntary_switches() -> int:
+    """Times this process's live threads slept in the kernel (Linux)."""
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/status") as f:
+                total += sum(
+                    int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt")
+                )
+        except OSError:  # it exited meanwhile
+            pass
+    return total
+
+
+@pytest.mark.skipif(
+    "OpenMP" not in torch.__config__.parallel_info() or not os.path.isdir("/proc/self/task"),
+    reason="torch's threads are OpenMP's only in Linux wheels",
+)
+def test_the_engines_thread_hands_its_openmp_team_back():
+    """executor.py: once a second thread runs parallel operators, libgomp counts two teams; more
+    threads than cores, its workers sleep between parallel regions instead of spinning. After
+    release_openmp_threads on the thread that ran them first, the device thread's regions sleep
+    far less often (counted, not timed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from minicb.worker.executor import release_openmp_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count())
+    x = torch.ones(1 << 20)
+
+    def regions():  # 300 parallel regions (an elementwise op over 1M elements each)
+        for _ in range(300):
+            torch.add(x, 1.0)
+
+    def sleeps_on_a_new_thread() -> int:
+        with ThreadPoolExecutor(1) as device:
+            device.submit(regions).result()  # its team made, warm
+            start = voluntary_switches()
+            device.submit(regions).result()
+            return voluntary_switches() - start  # (its team ends with the thread)
+
+    try:
+        regions()  # this thread's own team
+        two_teams = sleeps_on_a_new_thread()
+        assert release_openmp_threads()
+        one_team = sleeps_on_a_new_thread()
+    finally:
+        torch.set_num_threads(before)
+    assert two_teams >= 100 and one_team < two_teams / 4, (two_teams, one_team)
 
 
 def test_drafts_are_refused_with_a_reason():

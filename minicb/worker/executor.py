@@ -25,8 +25,20 @@ Three hand-offs keep an async step exact and the device busy:
   - a step's sampling waits until the step before has been processed (`wait_before_sampling`):
     sampling reads what processing writes (a grammar advanced by the last token, the output tokens
     that penalties count, the samples a request forked into).
+
+One trap on a CPU: OpenMP. The thread that loaded the model and sized the cache ran torch's
+parallel operators, so it owns a team of OpenMP worker threads, and the device thread gets a team of
+its own. GNU OpenMP (libgomp, which torch's CPU wheels ship) counts the threads of every team; once
+they outnumber the cores, its workers stop spinning between two parallel regions and sleep in the
+kernel instead, so every matmul of the forward pass first waits for a worker to be woken. On 2
+cores that cost the device thread's forward passes about 10% (and about 180 sleeps per forward
+pass of a 30-layer toy, against 3 with one team). So the engine's thread hands its own team back
+once the device thread takes over (release_openmp_threads).
 """
 
+import ctypes
+import glob
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Event
@@ -63,6 +75,22 @@ def fill_placeholders(out: SchedulerOutput, h: HostInputs, prev, device):
     # one copy to the device, not two: on the H200's host each took about a millisecond
     both = to_device(positions + sources, device)
     return both[: len(positions)], prev[0].index_select(0, both[len(positions) :])
+
+
+def release_openmp_threads() -> bool:
+    """Stop the calling thread's OpenMP worker threads (OpenMP 5's omp_pause_resource_all with
+    omp_pause_hard, which libgomp implements for the calling thread's team), so that the teams left
+    fit the cores. A later parallel operator on this thread makes a new team. True if released;
+    False where torch's threads are not libgomp's (nothing to do)."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    found = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))
+    try:  # the copy torch loaded: dlopen hands back the same library
+        pause = ctypes.CDLL(found[0] if found else "libgomp.so.1").omp_pause_resource_all
+    except (OSError, AttributeError):
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause(2) == 0  # omp_pause_hard
 
 
 class AsyncModelRunnerOutput:
@@ -103,6 +131,8 @@ class StepExecutor:
         self.inline = runner.device.type == "cuda" and runner.tp is None
         self.threaded = None  # the device thread's last job, which an inline launch must follow
         self.num_inline = 0  # steps launched on the caller's thread
+        # the forward passes run on the device thread from now on (module docstring: OpenMP)
+        self.released_openmp = runner.device.type == "cpu" and release_openmp_threads()
 
     def execute_model(
         self,
