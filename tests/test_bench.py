@@ -314,6 +314,20 @@ def test_idle_split_separates_a_graphs_own_gaps_from_the_gaps_between_steps():
     )
 
 
+def test_print_loop_gives_the_faster_and_the_median_runs_ratio(capsys):
+    """bench --workload loop: one lucky synchronous run (20 s) must not decide the ratio alone."""
+    from minicb.bench.loop import print_loop
+
+    side = dict(tok_s=100.0, wall_s=1.0, host_share=0.01, device_idle_share=0.01)
+    side |= dict(schedule_inputs_ms=0, forward_ms=0, sample_ms=0, outputs_ms=0, detokenize_ms=0)
+    w1 = dict(same_tokens=True, sync=side | {"tok_s": 150.0}, async_=side | {"tok_s": 120.0})
+    w1 |= dict(sync_walls=[30.0, 20.0, 30.0], async_walls=[25.0, 26.0, 25.0])
+    print_loop({"machine": "test", "w1": w1})
+    assert (
+        "async / sync = 0.800x, the faster runs; 1.200x, the median runs" in capsys.readouterr().out
+    )
+
+
 def test_loop_shares_from_step_times():
     """bench --workload loop: host share and device idle from hand-made StepTimes (seconds)."""
     from minicb.bench.loop import loop_shares

@@ -8,7 +8,8 @@ produce exactly the same tokens: checked):
   - W3's shape on the real model: 256 requests of 32-token prompts, all decoding together
     (max_num_seqs 256), 24 tokens each: where the host's work per step is largest.
 Each loop runs `repeats` times, alternating (sync, async, sync, async), each on a fresh engine; the
-faster run of each is shown. Besides tokens per second, every step's StepTimes (trace.py) give:
+faster run of each is shown, and the ratio of the median runs beside the faster runs' (one lucky run
+moves the faster one). Besides tokens per second, every step's StepTimes (trace.py) give:
   - host share: the host's work before launch (schedule, inputs) and after (update, detokenize,
     outputs) over the wall time. Synchronous steps wait for it; async steps hide it behind the
     device work of the next step, unless it is longer;
@@ -119,8 +120,11 @@ def print_loop(report: dict) -> None:
                 f"{x['outputs_ms']:7.2f} {x['detokenize_ms']:8.2f}"
             )
         ratio = r["async_"]["tok_s"] / r["sync"]["tok_s"]
+        # the same tokens in every run, so tokens/s goes as 1 / wall time
+        median = statistics.median(r["sync_walls"]) / statistics.median(r["async_walls"])
         print(
-            f"{name}: async / sync = {ratio:.3f}x (same tokens: {r['same_tokens']}; runs, s: "
+            f"{name}: async / sync = {ratio:.3f}x, the faster runs; {median:.3f}x, the median runs "
+            f"(same tokens: {r['same_tokens']}; runs, s: "
             f"sync {', '.join(f'{w:.2f}' for w in r['sync_walls'])}, async "
             f"{', '.join(f'{w:.2f}' for w in r['async_walls'])})"
         )
