@@ -280,6 +280,28 @@ def test_the_engines_thread_hands_its_openmp_team_back():
     assert two_teams >= 100 and one_team < two_teams / 4, (two_teams, one_team)
 
 
+def test_an_in_process_server_hands_the_builders_openmp_team_back(loaded, monkeypatch):
+    """`serve --engine-in-process` builds the engine on its main thread and steps it on the engine
+    loop's: AsyncEngine.start (on the main thread) releases the builder's team first."""
+    import threading
+
+    import minicb.worker.executor as executor
+    from minicb.serve.engine_loop import AsyncEngine
+
+    calls = []
+    monkeypatch.setattr(
+        executor, "release_openmp_threads", lambda: calls.append(threading.get_ident())
+    )
+    server = AsyncEngine(engine(loaded))
+    loop = asyncio.new_event_loop()
+    try:
+        server.start(loop)
+    finally:
+        server.stop()
+        loop.close()
+    assert calls == [threading.get_ident()]
+
+
 def test_drafts_are_refused_with_a_reason():
     with pytest.raises(ValueError, match="async_scheduling=True does not work with speculative"):
         EngineConfig(

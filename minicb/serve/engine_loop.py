@@ -100,6 +100,12 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the engine loop; outputs are handed to `loop` (the server's event loop)."""
         self._loop = loop
+        if not isinstance(self.engine, RemoteEngine) and self.engine.runner.device.type == "cpu":
+            # the engine loop's thread runs the steps from now on: the team of OpenMP threads
+            # this thread used to build the engine would make libgomp stop spinning (executor.py)
+            from ..worker.executor import release_openmp_threads
+
+            release_openmp_threads()
         self._thread = threading.Thread(target=self._run, name="minicb-engine-loop", daemon=True)
         self._thread.start()
 
