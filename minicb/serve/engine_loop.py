@@ -77,12 +77,9 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.stall_timeout_s = stall_timeout_s
-        # None while the engine can serve; why it cannot, once its core died or this loop broke
-        self.fatal_error: str | None = None
+        self.fatal_error: str | None = None  # why the engine cannot serve (its core died, ...)
         self._on_fatal = on_fatal
-        # A server runs for days: keep only the newest steps. A core process keeps its own trace,
-        # bounded by RemoteEngine(trace_steps=...).
-        if not isinstance(engine, RemoteEngine):
+        if not isinstance(engine, RemoteEngine):  # a server runs for days: the newest steps only
             engine.trace.max_steps = trace_steps
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # touched by the engine loop only
@@ -91,8 +88,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         # written by the loop, read by /metrics
         self.metrics = ServerMetrics(served_model_name or engine.model_name)
-        # One JSON line per finished request with the server's own times (python -m minicb serve
-        # --request-log): what a client's measurements are compared with (bench/clients/compare.py).
+        # --request-log: a JSON line per finished request, the server's times (clients/compare.py)
         self.request_log = open(request_log, "a", buffering=1) if request_log else None
         self.metrics.publish_gauges(self._gauges())
 
@@ -101,9 +97,7 @@ class AsyncEngine:
         """Start the engine loop; outputs are handed to `loop` (the server's event loop)."""
         self._loop = loop
         if not isinstance(self.engine, RemoteEngine) and self.engine.runner.device.type == "cpu":
-            # the engine loop's thread runs the steps from now on: the team of OpenMP threads
-            # this thread used to build the engine would make libgomp stop spinning (executor.py)
-            from ..worker.executor import release_openmp_threads
+            from ..worker.executor import release_openmp_threads  # another thread steps: OpenMP
 
             release_openmp_threads()
         self._thread = threading.Thread(target=self._run, name="minicb-engine-loop", daemon=True)
@@ -282,8 +276,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            # Aborted requests also come back from step() without a token; _abort has
-            # already delivered and counted those.
+            # (aborted requests come back without a token: _abort delivered and counted them)
             outputs = self.engine.step()
         except Exception as e:  # a bug outside the model (the engine stops failed requests itself)
             log.exception(
