@@ -97,7 +97,7 @@ class AsyncEngine:
         """Start the engine loop; outputs are handed to `loop` (the server's event loop)."""
         self._loop = loop
         if not isinstance(self.engine, RemoteEngine) and self.engine.runner.device.type == "cpu":
-            from ..worker.executor import release_openmp_threads  # another thread steps: OpenMP
+            from ..worker.executor import release_openmp_threads
 
             release_openmp_threads()
         self._thread = threading.Thread(target=self._run, name="minicb-engine-loop", daemon=True)
