@@ -31,9 +31,9 @@ parallel operators, so it owns a team of OpenMP worker threads, and the device t
 its own. GNU OpenMP (libgomp, which torch's CPU wheels ship) counts the threads of every team; once
 they outnumber the cores, its workers stop spinning between two parallel regions and sleep in the
 kernel instead, so every matmul of the forward pass first waits for a worker to be woken. On 2
-cores that cost the device thread's forward passes about 10% (and about 180 sleeps per forward
-pass of a 30-layer toy, against 3 with one team). So the engine's thread hands its own team back
-once the device thread takes over (release_openmp_threads).
+cores that cost the device thread's forward passes about 10% (about 180 sleeps per forward pass of
+a 30-layer toy, and 630 per W1 step, against 3 per step with one team). So the engine's thread hands
+its own team back once the device thread takes over (release_openmp_threads).
 """
 
 import ctypes
