@@ -37,8 +37,6 @@ its own team back once the device thread takes over (release_openmp_threads).
 """
 
 import ctypes
-import glob
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Event
@@ -84,10 +82,11 @@ def release_openmp_threads() -> bool:
     False where torch's threads are not libgomp's (nothing to do)."""
     if "OpenMP" not in torch.__config__.parallel_info():
         return False
-    found = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))
-    try:  # the copy torch loaded: dlopen hands back the same library
-        pause = ctypes.CDLL(found[0] if found else "libgomp.so.1").omp_pause_resource_all
-    except (OSError, AttributeError):
+    try:  # the libgomp this process loaded (torch's): dlopen hands back the same library
+        with open("/proc/self/maps") as f:
+            loaded = [line.split()[-1] for line in f if "/libgomp" in line]
+        pause = ctypes.CDLL(loaded[0]).omp_pause_resource_all
+    except (OSError, IndexError, AttributeError):  # not Linux, or another OpenMP runtime
         return False
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
     return pause(2) == 0  # omp_pause_hard
