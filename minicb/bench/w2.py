@@ -285,8 +285,13 @@ def main(argv=None) -> None:
         return
     if args.workload == "idle":  # issue 32: under 5% of the step with async scheduling
         # sync, async launched on the engine's thread, on the device thread, inline twice more
-        runs = ((False, "inline"), (True, "inline"), (True, "thread"), (True, "inline"))
-        runs += ((True, "inline"),)
+        runs = (
+            (False, "inline"),
+            (True, "inline"),
+            (True, "thread"),
+            (True, "inline"),
+            (True, "inline"),
+        )
         for i, (async_scheduling, launch) in enumerate(runs):
             # the last run also writes a cProfile of the host's side, where --host-profile says
             last = args.host_profile if i == len(runs) - 1 else None

@@ -49,7 +49,8 @@ def server_cpu(url: str) -> dict[str, float] | None:
     """CPU seconds so far of a server this process started: its own process (the API server, and
     the engine too with --engine-in-process) and its descendants (the engine core's process)."""
     pid = SERVER_PIDS.get(url)
-    if pid is None or cpu_seconds(pid) is None:
+    own = None if pid is None else cpu_seconds(pid)
+    if own is None:
         return None
     parents = {}
     for entry in os.listdir("/proc"):
@@ -64,7 +65,7 @@ def server_cpu(url: str) -> dict[str, float] | None:
         found = {p for p, parent in parents.items() if parent in tree and p not in tree}
         tree |= found
     children = sum(cpu_seconds(p) or 0.0 for p in tree - {pid})
-    return {"server": cpu_seconds(pid) or 0.0, "children": children}
+    return {"server": own, "children": children}
 
 
 def check_loopback(url: str) -> None:

@@ -70,7 +70,7 @@ def fill_placeholders(out: SchedulerOutput, h: HostInputs, prev, device):
             sources.append(i)
     if not positions:
         return None
-    # one copy to the device, not two: on the H200's host each took about a millisecond
+    # positions and sources in one copy to the device
     both = to_device(positions + sources, device)
     return both[: len(positions)], prev[0].index_select(0, both[len(positions) :])
 
