@@ -243,8 +243,10 @@ def voluntary_switches() -> int:
 
 
 @pytest.mark.skipif(
-    "OpenMP" not in torch.__config__.parallel_info() or not os.path.isdir("/proc/self/task"),
-    reason="torch's threads are OpenMP's only in Linux wheels",
+    "OpenMP" not in torch.__config__.parallel_info()
+    or not os.path.isdir("/proc/self/task")
+    or os.cpu_count() < 2,
+    reason="torch's threads are OpenMP's in Linux wheels, and one core makes no team",
 )
 def test_the_engines_thread_hands_its_openmp_team_back():
     """executor.py: once a second thread runs parallel operators, libgomp counts two teams; more
@@ -260,6 +262,7 @@ def test_the_engines_thread_hands_its_openmp_team_back():
     x = torch.ones(1 << 20)
 
     def regions():  # 300 parallel regions (an elementwise op over 1M elements each)
+        torch.set_num_threads(os.cpu_count())  # per thread: OMP_NUM_THREADS may say otherwise
         for _ in range(300):
             torch.add(x, 1.0)
 
