@@ -36,7 +36,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from ..metrics import percentile
 from ..sampling_params import MAX_LOGPROBS
@@ -129,13 +129,13 @@ async def stream_back_to_back(client, body: dict, requests: list[list[float]]) -
     while True:
         times = []
         requests.append(times)
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:  # 503: the probe holds what the server can hold
-                await r.aread()
+        async with client.post("/v1/completions", json=body) as r:
+            if r.status != 200:  # 503: the probe holds what the server can hold
+                await r.read()
                 await asyncio.sleep(0.1)
                 continue
-            async for line in r.aiter_lines():
-                is_data = line.startswith("data: {")
+            async for line in r.content:
+                is_data = line.startswith(b"data: {")
                 if is_data and any(c["token_ids"] for c in json.loads(line[6:])["choices"]):
                     times.append(time.perf_counter())
 
@@ -143,15 +143,16 @@ async def stream_back_to_back(client, body: dict, requests: list[list[float]]) -
 async def timed_post(client, content: bytes) -> dict:
     t0 = time.perf_counter()
     headers = {"content-type": "application/json"}
-    r = await client.post("/v1/completions", content=content, headers=headers)
+    async with client.post("/v1/completions", data=content, headers=headers) as r:
+        status, body = r.status, await r.read()
     took = time.perf_counter() - t0
-    if r.status_code != 200:
+    if status != 200:
         try:
-            message = r.json()["error"]["message"]
+            message = json.loads(body)["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            message = r.text[:200]
-        return {"status": r.status_code, "message": message, "s": took}
-    finish = sorted({c["finish_reason"] for c in r.json()["choices"]})
+            message = body[:200].decode(errors="replace")
+        return {"status": status, "message": message, "s": took}
+    finish = sorted({c["finish_reason"] for c in json.loads(body)["choices"]})
     return {"status": 200, "finish": ",".join(finish), "s": took}
 
 
@@ -192,7 +193,7 @@ async def trial(url: str, probe: bytes | None, window_s: float) -> dict:
             t.cancel()
         await asyncio.gather(*tasks, *pending, return_exceptions=True)
         for c in clients:
-            await c.aclose()
+            await c.close()
     gaps = [
         b - a for r in streams for times in r for a, b in zip(times, times[1:]) if t0 < b <= end
     ]
@@ -250,10 +251,10 @@ def launch(flags: list[str], stack: ExitStack, tree: str | None) -> str:
 
 async def is_idle(url: str) -> bool:
     """Nothing running or waiting, every KV block free, within IDLE_WAIT_S."""
-    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+    async with http_client(url, 1, timeout=5) as client:
         try:
             g = await server_state(client, IDLE_WAIT_S)
-        except httpx.HTTPError:
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
     return g["num_requests_running"] == g["num_requests_waiting"] == g["kv_blocks_used"] == 0
 

@@ -284,7 +284,8 @@ async def load_test(
     # Requests still running at the deadline are cancelled by run_level; the client's own timeout
     # only guards against a server that stops answering.
     async with http_client(url, max(levels) + 4, timeout=max(60.0, time_limit)) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        async with client.get("/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
         # warm-up, not measured
         await one_request(client, {**workloads[levels[0]][0], "max_tokens": 4})
         deadline = time.monotonic() + time_limit

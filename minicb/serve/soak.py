@@ -24,7 +24,7 @@ import itertools
 import random
 import time
 
-import httpx
+import aiohttp
 
 from .loadgen import http_client, one_request, server_state, start_server
 from .metrics import parse_metrics
@@ -54,7 +54,7 @@ async def soak_phase(
             records.append(record)  # still without a status if cancelled at the grace limit
             try:
                 record.update(await one_request(client, body, leave))
-            except httpx.HTTPError as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 record["error"] = f"{type(e).__name__}: {e}"
 
     tasks = [asyncio.ensure_future(one_client(k)) for k in range(num_clients)]
@@ -95,24 +95,25 @@ async def soak(
     ) as client:
         records = await soak_phase(client, bodies, num_clients, seconds, random.Random(seed))
         idle_after_soak = await server_state(client)
-        aborted = parse_metrics((await client.get("/metrics")).text).get(ABORTED, 0)
+        async with client.get("/metrics") as r:
+            aborted = parse_metrics(await r.text()).get(ABORTED, 0)
         flood = await flood_phase(client, bodies, capacity)
         state = await server_state(client)
-        fresh = await client.post(
+        async with client.post(
             "/v1/completions",
             json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True},
-        )
-        health = (await client.get("/health")).status_code
-    fresh_tokens = (
-        len(fresh.json()["choices"][0]["token_ids"]) if fresh.status_code == 200 else None
-    )
+        ) as r:
+            tokens = len((await r.json())["choices"][0]["token_ids"]) if r.status == 200 else None
+            fresh = (r.status, tokens)
+        async with client.get("/health") as r:
+            health = r.status
     return {
         "soak": records,
         "idle_after_soak": idle_after_soak,
         "aborted": aborted,
         "flood": flood,
         "state": state,
-        "fresh": (fresh.status_code, fresh_tokens),
+        "fresh": fresh,
         "health": health,
         "capacity": capacity,
     }
