@@ -166,6 +166,31 @@ def test_a_consumer_that_never_started_waits_from_the_first_output():
     assert stream.stalled(later + 1.5, 1.0)
 
 
+def test_aborting_a_stream_ends_an_iteration_that_waits_and_aborts_once():
+    # The server's watcher of a client's disconnect aborts the stream; the handler's iteration,
+    # waiting for the next output, must end then, not at the next output (there may be none for
+    # long), and the engine must be told once.
+    aborted = []
+
+    async def main():
+        stream = RequestStream("s", 2, abort=aborted.append)
+        got = []
+
+        async def consume():
+            async for outputs in stream:
+                got.append(outputs)
+
+        consumer = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.01)  # it waits for outputs
+        assert not consumer.done()
+        stream.abort()
+        await asyncio.wait_for(consumer, 5)
+        return got
+
+    assert asyncio.run(main()) == []
+    assert aborted == [["s-0", "s-1"]]
+
+
 # ---------------------------------------------------------------------- long lists, same tokens
 def reference_greedy(hf, prompt, p: SamplingParams, eos=1) -> list[int]:
     """Greedy decoding on transformers' logits with min_tokens, stop ids and logit_bias applied one

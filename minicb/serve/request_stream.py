@@ -66,6 +66,8 @@ class RequestStream:
                 self.taken_at = None  # waiting: whatever arrives is taken at once
                 await self._arrived.wait()
                 self._arrived.clear()
+                if not self.unfinished:  # aborted meanwhile (its client left)
+                    return
                 self.taken_at = time.perf_counter()
                 if self._error is not None:
                     raise self._error
@@ -84,10 +86,12 @@ class RequestStream:
         return len(self._newest)
 
     def abort(self) -> None:
-        """Abort every request that has not finished (safe to call more than once)."""
+        """Abort every request that has not finished (safe to call more than once); an iteration
+        waiting for outputs ends. Called in the event loop."""
         if self.unfinished:
             self._abort_requests(sorted(self.unfinished))
             self.unfinished.clear()
+            self._arrived.set()
 
     # ------------------------------------------------------------------ the engine loop's side
     def stalled(self, now: float, timeout_s: float) -> bool:
