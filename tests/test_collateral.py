@@ -378,3 +378,14 @@ def test_a_request_beyond_a_bound_gets_a_400_naming_the_field(wordy, name):
         assert r.status_code == 400, r.text[:300]
         assert r.json()["error"]["param"] == field, r.json()
         assert s.http.post("/v1/completions", json=SMALL).status_code == 200
+
+
+def test_the_collateral_bench_reads_a_multimodal_checkpoints_text_vocabulary(tmp_path):
+    # its probes draw token ids below the vocabulary: a multimodal config.json keeps the language
+    # model's vocab_size in text_config, not at the top
+    from minicb.serve.collateral import vocab_size
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 262208}}))
+    assert vocab_size(str(tmp_path)) == 262208
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 49152}))
+    assert vocab_size(str(tmp_path)) == 49152

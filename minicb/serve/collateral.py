@@ -337,7 +337,9 @@ def vocab_size(model: str | None) -> int:
     from ..model_executor.loader import embedded_model_dir
 
     folder = Path(model) if model else embedded_model_dir()
-    return json.loads((folder / "config.json").read_text())["vocab_size"]
+    config = json.loads((folder / "config.json").read_text())
+    # a multimodal checkpoint keeps its language model's in text_config
+    return config["vocab_size"] if "vocab_size" in config else config["text_config"]["vocab_size"]
 
 
 def main(argv=None) -> int:
