@@ -42,6 +42,8 @@ class SimRequestResult:
     finish_step: int | None
     num_preemptions: int
     user: str | None = None
+    # prompt tokens found in the prefix cache when it was admitted (vLLM's RequestOutput field)
+    num_cached_tokens: int = 0
 
     @property
     def ttft_steps(self) -> int:
@@ -153,6 +155,7 @@ def simulate(
             r.finish_step,
             r.num_preemptions,
             r.user,
+            max(r.num_cached_tokens, 0),  # -1: never admitted
         )
         for i, r in enumerate(by_index)
     ]

@@ -220,3 +220,18 @@ def test_120_steps_needs_about_42_slots():
     assert outputs[-1] > 0
     _, c = static_vs_continuous(outputs)
     assert c.num_steps >= 500
+
+
+def test_a_request_admitted_after_its_twin_counts_the_full_blocks_it_found_cached():
+    # 40 shared prompt tokens in 16-token blocks: two full blocks are found (the last token is
+    # always computed, as in vLLM V1, so at most 39 tokens could hit); a request with its own
+    # prompt finds none, and so does the twin when prefix caching is off
+    shared = list(range(1000, 1040))
+    twins = [
+        SimRequest(40, 4, prompt_token_ids=shared),
+        SimRequest(40, 4, 3, prompt_token_ids=shared),
+    ]
+    result = simulate([*twins, SimRequest(40, 4, 3)], EngineConfig(block_size=16))
+    assert [r.num_cached_tokens for r in result.requests] == [0, 32, 0]
+    off = simulate(twins, EngineConfig(block_size=16, enable_prefix_caching=False))
+    assert [r.num_cached_tokens for r in off.requests] == [0, 0]
