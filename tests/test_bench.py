@@ -228,21 +228,6 @@ def test_spec_bench_compares_the_same_outputs_and_prints_the_ratios(tmp_path, ca
     assert "c1@2" in out and "fewer decode steps" in out and f"{on['acceptance_rate']:.0%}" in out
 
 
-def test_c1_fixed_is_c1s_prompts_at_one_length_with_eos_ignored():
-    from minicb.bench import spec
-
-    class Templated:  # a tokenizer's chat template: one id per character of the message
-        chat_template = "x"
-
-        def apply_chat_template(self, messages, **kw):
-            return [ord(c) for c in messages[0]["content"]]
-
-    c1, c1_max, c1_ignores = spec.spec_workload("c1", Templated())
-    fixed, fixed_max, fixed_ignores = spec.spec_workload("c1_fixed", Templated())
-    assert fixed == c1 and len(c1) == 16 and c1_max == [256] * 16 and not c1_ignores
-    assert fixed_max == [spec.C1_FIXED_TOKENS] * 16 and fixed_ignores
-
-
 def test_w1_table_prints_the_kernels_floor_and_the_ratio_it_allows(capsys):
     """The kernels' floor caps both targets: the fraction of the floor and the ratio to
     transformers."""

@@ -67,9 +67,8 @@ def add_arguments(parser) -> None:
         "--spec-workloads",
         nargs="+",
         default=["c1", "w1"],
-        choices=["c1", "c1_fixed", "w1"],
-        help="spec: which workloads (default c1 and w1; c1_fixed: C1 at a fixed length, EOS "
-        "ignored, for dtypes whose answers change with speculation)",
+        choices=["c1", "w1"],
+        help="spec: which workloads (default both)",
     )
     parser.add_argument(
         "--c1-slots",

@@ -9,11 +9,7 @@ Workload C1, copy-heavy chat on the CPU (what prompt lookup is for):
   - greedy decoding with speculation gives exactly the tokens without it, so both runs produce the
     same outputs (checked), and the difference is only steps and time.
 C1 is served at 1, 4 and 16 slots (`max_num_seqs`): one request at a time is the latency-bound
-regime, 16 at once the batch that a copy-heavy burst makes. "c1_fixed" is C1 with every request
-exactly C1_FIXED_TOKENS long, EOS ignored (C1's answers are 54 tokens long on average in float32):
-in bfloat16 the greedy answers change with speculation, and C1's runs then decode answers of other
-lengths (a long one decoding nearly alone sets a run's time); at a fixed length both runs do the
-same work, whatever their tokens. W1 (bench/__init__.py) runs the same way
+regime, 16 at once the batch that a copy-heavy burst makes. W1 (bench/__init__.py) runs the same way
 with and without drafts, at the default 64 slots: chat answers that seldom copy their prompt.
 
 Each system runs `repeats` times, alternating (off, on, off, on, ...), on a fresh engine; the table
@@ -167,19 +163,6 @@ def compare(
 
 
 C1_SLOTS = (1, 4, 16)
-C1_FIXED_TOKENS = 64
-
-
-def spec_workload(name: str, tokenizer) -> tuple[list[list[int]], list[int], bool]:
-    """(prompts, max_tokens, ignore_eos) of "c1", "c1_fixed" or "w1"."""
-    if name == "w1":
-        from .w1 import w1_workload
-
-        return (*w1_workload(tokenizer), True)
-    prompts, max_tokens = copy_workload(tokenizer)
-    if name == "c1_fixed":
-        return prompts, [C1_FIXED_TOKENS] * len(prompts), True
-    return prompts, max_tokens, False
 
 
 def run_spec_bench(
@@ -195,6 +178,7 @@ def run_spec_bench(
     import torch
 
     from ..model_executor.loader import load_model
+    from .w1 import w1_workload
 
     torch.set_num_threads(os.cpu_count())
     loaded = load_model(None)
@@ -204,13 +188,13 @@ def run_spec_bench(
         results={},
     )
     for name in workloads:
-        prompts, max_tokens, ignore_eos = spec_workload(name, loaded.tokenizer)
-        for slots in c1_slots if name != "w1" else (None,):
+        prompts, max_tokens = (copy_workload if name == "c1" else w1_workload)(loaded.tokenizer)
+        for slots in c1_slots if name == "c1" else (None,):
             res = compare(
                 loaded,
                 prompts,
                 max_tokens,
-                ignore_eos=ignore_eos,
+                ignore_eos=name == "w1",
                 repeats=repeats,
                 cooldown_s=cooldown_s,
                 max_num_seqs=slots,
@@ -229,7 +213,7 @@ def print_spec(report: dict, print_fn=print) -> None:
         f"\nSpeculative decoding, {report['speculative_config']}, on {report['machine']}, {dtype}"
     )
     print_fn(
-        f"{'work@slots':11} {'drafts':7} {'tok/s':>7} {'wall s':>7} {'runs (s)':>14} {'steps':>6} "
+        f"{'work@slots':10} {'drafts':7} {'tok/s':>7} {'wall s':>7} {'runs (s)':>14} {'steps':>6} "
         f"{'decode':>7} {'accepted':>9} {'tokens/verify':>13}"
     )
     for name, res in report["results"].items():
@@ -242,11 +226,11 @@ def print_spec(report: dict, print_fn=print) -> None:
                 else ""
             )
             print_fn(
-                f"{name:11} {key:7} {r['throughput']:>7.1f} {r['wall_s']:>7.2f} {runs:>14} "
+                f"{name:10} {key:7} {r['throughput']:>7.1f} {r['wall_s']:>7.2f} {runs:>14} "
                 f"{r['steps']:>6} {r['decode_steps']:>7} {extra}"
             )
         print_fn(
-            f"{name:11} {res['step_ratio']:.2f}x fewer decode steps, {res['speedup']:.2f}x the "
+            f"{name:10} {res['step_ratio']:.2f}x fewer decode steps, {res['speedup']:.2f}x the "
             f"throughput ({res['on']['output_tokens']} output tokens of {res['num_requests']} "
             f"requests; {res.get('same_outputs', 1):.0%} of them the same with and without)"
         )
