@@ -409,3 +409,30 @@ def test_both_engines_are_measured(tmp_path):
         (r["cpu_core_s"] > 0) == (r["engine"] == "core") and r["cpu_server_s"] > 0
         for r in result["levels"]
     )
+
+
+def test_repeated_runs_alternate_which_side_goes_first(url, model_dir, tmp_path, monkeypatch):
+    """--repeat: the offline twin runs after the server's run, then before the next, and so on (a
+    machine whose speed drifts then tilts neither side always the same way); each run is compared
+    with its own twin."""
+    order, real_level, real_offline = [], loadtest.run_level, loadtest.Offline.run
+
+    async def server_side(*args, **kwargs):
+        order.append("server")
+        return await real_level(*args, **kwargs)
+
+    def offline_side(self, *args, **kwargs):
+        order.append("offline")
+        return real_offline(self, *args, **kwargs)
+
+    monkeypatch.setattr(loadtest, "run_level", server_side)
+    monkeypatch.setattr(loadtest.Offline, "run", offline_side)
+    args = ["--url", url, "--model", model_dir, *FLAGS, "--concurrency", "2", "--repeat", "3"]
+    out = tmp_path / "load.json"
+    assert (
+        loadtest.main([*args, "--num-requests", "2", "--max-tokens", "4", "--json", str(out)]) == 0
+    )
+    assert order == ["server", "offline", "offline", "server", "server", "offline"]
+    result = json.loads(out.read_text())
+    (row,) = result["yardstick"]
+    assert len(row["ratios"]) == 3 and all(r["same_output"] == 2 for r in result["levels"])

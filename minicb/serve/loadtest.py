@@ -19,10 +19,11 @@ same config: at 1 client one at a time through LLM.stream, and the server's TPOT
 the offline per-token time measured the same way (target: at most 1.25x); at more clients all at
 once through LLM.generate, with min(clients, max_num_seqs) slots, the most requests that many
 clients keep in flight, and the server's output tokens/s is set against offline's (target: at least
-0.90). The server is `python -m minicb serve` in a process of its own, as a user runs it, so the
-clients here share no interpreter with it. Bounded: fixed request counts, loopback only, and a
---time-limit (requests running then are cancelled, i.e. their clients disconnect; offline runs start
-only before it).
+0.90). With --repeat, the runs alternate which side goes first, and the yardstick is the median of
+the run-by-run ratios. The server is `python -m minicb serve` in a process of its own, as a user
+runs it, so the clients here share no interpreter with it. Bounded: fixed request counts, loopback
+only, and a --time-limit (requests running then are cancelled, i.e. their clients disconnect;
+offline runs start only before it).
 """
 
 import argparse
@@ -276,10 +277,10 @@ async def load_test(
     repeat: int = 1,
     out=None,
 ) -> tuple[list[dict], list[dict]]:
-    """Each level `repeat` times, each run followed by its offline twin; returns (every run,
-    yardstick rows). The time limit counts from the end of the warm-up: on a slow or busy machine
-    the warm-up may take longer than a short limit, and the first level must still run (and be cut
-    short) within it."""
+    """Each level `repeat` times, each run with its offline twin (after it, or before it every
+    other run); returns (every run, yardstick rows). The time limit counts from the end of the
+    warm-up: on a slow or busy machine the warm-up may take longer than a short limit, and the
+    first level must still run (and be cut short) within it."""
     runs, rows = [], []
     # Requests still running at the deadline are cancelled by run_level; the client's own timeout
     # only guards against a server that stops answering.
@@ -298,10 +299,14 @@ async def load_test(
         ms = lambda x: "-" if x != x else f"{1000 * x:.0f} ms"  # x != x: NaN, nothing measured
         for c in levels:
             bodies, level = workloads[c], []
-            for _ in range(repeat):
+            for i in range(repeat):
                 if time.monotonic() >= deadline:
                     print(f"{c:>7} skipped: time limit reached", file=out)
                     break
+                # Every other run measures its offline twin first (A B, B A, ...): on a machine
+                # whose speed drifts between two runs, the drift then falls on both sides in turn
+                # instead of always on the same one.
+                twin = offline.run(bodies, c) if offline is not None and i % 2 else None
                 cpu0, server0 = time.process_time(), server_cpu(url)
                 results, wall = await run_level(client, bodies, c, deadline)
                 cpu = level_cpu(cpu0, server0, server_cpu(url))
@@ -310,8 +315,15 @@ async def load_test(
                     **summarize_level(c, results, wall, await server_state(client)),
                     **cpu,
                 }
-                if offline is not None and not row["cancelled"] and time.monotonic() < deadline:
-                    compare(row, results, offline.run(bodies, c))  # the server is idle now
+                if (
+                    twin is None
+                    and offline is not None
+                    and not row["cancelled"]
+                    and time.monotonic() < deadline
+                ):
+                    twin = offline.run(bodies, c)  # the server is idle now
+                if twin is not None and not row["cancelled"]:
+                    compare(row, results, twin)
                     level.append(row)
                 runs.append(row)
                 same = f"{row['same_output']}/{row['compared']}" if "compared" in row else "-"
