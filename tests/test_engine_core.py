@@ -194,6 +194,37 @@ def test_the_core_runs_with_the_threads_it_was_given(both):
     assert remote.core_threads == 1
 
 
+def test_a_command_for_the_core_ends_the_loops_wait_for_its_step(model_dir, monkeypatch):
+    """The engine loop waits in step() for the core's next step; a request that arrives meanwhile
+    wakes it (AsyncEngine.submit calls wake()), so that the request goes to the core before its
+    next step starts, not after. Here the core has nothing to run: without the wake-up, step()
+    would wait the whole STEP_WAIT_S."""
+    from minicb.serve import engine_core
+
+    monkeypatch.setattr(engine_core, "STEP_WAIT_S", 600.0)
+    engine = RemoteEngine(config(model_dir), core_threads=1)
+    try:
+        for woken_first in (False, True):  # woken while it waits, or before it begins to
+            returned = threading.Event()
+            waiter = threading.Thread(target=lambda: (engine.step(), returned.set()))
+            if woken_first:
+                engine.wake()
+            waiter.start()
+            if not woken_first:
+                engine.wake()
+            assert returned.wait(60), "step() went on waiting for the core after a wake()"
+            waiter.join()
+            assert not engine.stepped  # it saw no step of the core: none ran
+        # a request sent after the wake-up still runs to the end
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert [len(o.outputs[0].token_ids) for o in outs if o.finished] == [3]
+    finally:
+        engine.shutdown()
+
+
 def test_the_cores_death_fails_the_streams_and_turns_health_unhealthy(model_dir):
     engine = RemoteEngine(config(model_dir))
     with server(engine) as http:

@@ -18,8 +18,11 @@ the loop runs the same code whether the engine is in this process (tests, notebo
 """
 
 import multiprocessing as mp
+import os
 import signal
 import time
+import weakref
+from multiprocessing.connection import wait
 
 from ..config import EngineConfig
 from ..core.request import Request, RequestStatus
@@ -29,7 +32,8 @@ from ..outputs import RequestOutput
 from ..structured_output import warm_ll_tokenizer
 from .metrics import server_stats
 
-# step() waits this long for the core's next message, then lets the loop read its inbox
+# step() waits this long for the core's next message, then lets the loop read its inbox (a wake()
+# ends the wait at once)
 STEP_WAIT_S = 0.05
 
 
@@ -82,6 +86,16 @@ class RemoteEngine:
         # aborted here: their last output comes with the next step
         self._finished_here: list[Request] = []
         self._next_id = 0
+        # wake(): a byte here ends step()'s wait for the core, so that a request that arrives
+        # while the core runs step N is sent to it before step N + 1, not after (vLLM V1's client
+        # sends it to the core at once, and the core takes it between two steps). Without it, the
+        # loop sat in step() until step N's outputs came, and the core had begun N + 1 by then.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        # closed with this object, never before: a write to a closed (and reused) fd number
+        # could land in another file
+        weakref.finalize(self, _close_all, self._wake_r, self._wake_w)
 
     # ------------------------------------------------------------------ Engine's methods
     def tokenize(self, prompt) -> list[int]:
@@ -139,13 +153,29 @@ class RemoteEngine:
         self.process.join(1.0)  # reap it, so that its exit code is known
         return RuntimeError(f"the engine core process died (exit code {self.process.exitcode})")
 
+    def wake(self) -> None:
+        """Thread-safe: end a step() that waits for the core now (the loop has commands for it)."""
+        try:
+            os.write(self._wake_w, b"w")
+        except BlockingIOError:  # the pipe is full of wake-ups: one is pending already
+            pass
+
     def step(self) -> list[RequestOutput]:
         """The outputs of the core's next step, or of nothing new if it sent nothing within
-        STEP_WAIT_S (requests aborted here still get their last output). Raises RuntimeError if the
-        core died."""
+        STEP_WAIT_S or wake() was called meanwhile (requests aborted here still get their last
+        output). Raises RuntimeError if the core died."""
         touched, finished = [], self._finished_here
         self._finished_here, self.stepped = [], False
-        if self._conn.poll(STEP_WAIT_S):
+        ready = wait([self._conn, self._wake_r], STEP_WAIT_S)
+        woken = self._wake_r in ready
+        if woken:
+            while True:  # every pending wake-up at once
+                try:
+                    if len(os.read(self._wake_r, 4096)) < 4096:
+                        break
+                except BlockingIOError:
+                    break
+        if self._conn in ready:
             try:
                 kind, payload = self._conn.recv()
             except (EOFError, OSError):
@@ -167,7 +197,7 @@ class RemoteEngine:
                 self.output_processor.add_prompt_logprobs(prompt_logprobs)
                 for delta in deltas:
                     self._apply(delta, touched, finished)
-        elif not self.process.is_alive():
+        elif not woken and not self.process.is_alive():
             raise self._died()
         return self.output_processor.make_outputs(touched, finished)
 
@@ -231,6 +261,11 @@ class RemoteEngine:
             self.process.kill()
             # reap it: is_alive() stays true until the killed process is waited for
             self.process.join()
+
+
+def _close_all(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------- the core process

@@ -82,6 +82,8 @@ class AsyncEngine:
         if not isinstance(engine, RemoteEngine):  # a server runs for days: the newest steps only
             engine.trace.max_steps = trace_steps
         self._inbox: queue.Queue = queue.Queue()
+        # after each command: a loop waiting for the core's step comes back to read its inbox
+        self._wake = engine.wake if isinstance(engine, RemoteEngine) else lambda: None
         self._streams: dict[str, RequestStream] = {}  # touched by the engine loop only
         self._ids = stream_ids if stream_ids is not None else itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -106,6 +108,7 @@ class AsyncEngine:
     def stop(self, timeout: float = 10.0) -> None:
         if self._thread is not None:
             self._inbox.put(("stop",))
+            self._wake()
             self._thread.join(timeout)
         if isinstance(self.engine, RemoteEngine):
             self.engine.shutdown(timeout)
@@ -154,6 +157,7 @@ class AsyncEngine:
         stream = RequestStream(str(next(self._ids)), len(prompts), self.abort)
         accepted = self._loop.create_future()
         self._inbox.put(("add", stream, prompts, params, priority, user, accepted))
+        self._wake()
         try:
             await accepted
         except asyncio.CancelledError:  # the client left before the engine answered
@@ -164,6 +168,7 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         """Thread-safe: ask the engine loop to abort requests (a no-op for finished ones)."""
         self._inbox.put(("abort", request_ids))
+        self._wake()
 
     # ------------------------------------------------------ the engine loop (in its own thread)
     def _run(self) -> None:
