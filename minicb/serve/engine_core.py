@@ -86,16 +86,13 @@ class RemoteEngine:
         # aborted here: their last output comes with the next step
         self._finished_here: list[Request] = []
         self._next_id = 0
-        # wake(): a byte here ends step()'s wait for the core, so that a request that arrives
-        # while the core runs step N is sent to it before step N + 1, not after (vLLM V1's client
-        # sends it to the core at once, and the core takes it between two steps). Without it, the
-        # loop sat in step() until step N's outputs came, and the core had begun N + 1 by then.
+        # wake(): a byte here ends step()'s wait, so that a request arriving while the core runs
+        # step N reaches it before N + 1 (vLLM V1's client sends at once too), not after N's
+        # outputs came back, when the core had begun N + 1 already. Closed with this object only.
         self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        # closed with this object, never before: a write to a closed (and reused) fd number
-        # could land in another file
-        weakref.finalize(self, _close_all, self._wake_r, self._wake_w)
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+            weakref.finalize(self, os.close, fd)
 
     # ------------------------------------------------------------------ Engine's methods
     def tokenize(self, prompt) -> list[int]:
@@ -168,13 +165,8 @@ class RemoteEngine:
         self._finished_here, self.stepped = [], False
         ready = wait([self._conn, self._wake_r], STEP_WAIT_S)
         woken = self._wake_r in ready
-        if woken:
-            while True:  # every pending wake-up at once
-                try:
-                    if len(os.read(self._wake_r, 4096)) < 4096:
-                        break
-                except BlockingIOError:
-                    break
+        if woken:  # every pending wake-up (any left over end one more wait early: harmless)
+            os.read(self._wake_r, 4096)
         if self._conn in ready:
             try:
                 kind, payload = self._conn.recv()
@@ -261,11 +253,6 @@ class RemoteEngine:
             self.process.kill()
             # reap it: is_alive() stays true until the killed process is waited for
             self.process.join()
-
-
-def _close_all(*fds: int) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------- the core process

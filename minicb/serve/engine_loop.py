@@ -8,25 +8,21 @@ handlers live in the asyncio event loop and talk to it through queues:
     engine loop --loop.call_soon_threadsafe--> the request's RequestStream     its RequestOutputs
 
 The engine is an Engine in this process (tests, notebooks, `serve --engine-in-process`) or, by
-default, a RemoteEngine whose core runs in its own process (engine_core.py): the loop below is the
-same for both, and with a RemoteEngine its step() waits for the core's next step instead of
-computing it.
+default, a RemoteEngine whose core runs in its own process (engine_core.py), whose step() waits
+for the core's next step (a command in the inbox ends the wait). The loop drains its inbox between
+two steps, so a request that arrives while a step runs joins the very next step: continuous
+batching (Orca, Yu et al., OSDI 2022) as seen from the network. It also keeps GET /metrics' data.
 
-The engine loop drains its inbox between two steps, so a request that arrives while a step runs
-joins the batch in the very next step: continuous batching (Orca, Yu et al., OSDI 2022) as seen
-from the network. The loop also keeps the serving metrics that GET /metrics shows.
-
-Four ways the engine protects itself from its users: a bound on the requests it holds (a request
-arriving when max_num_seqs + max_waiting are unfinished is refused with QueueFullError, HTTP 503,
-rather than piling up without limit); aborts (a client that goes away aborts its request, which
-frees its slot and KV blocks at once); stalls (a client that stops reading its stream for
-stall_timeout_s has its requests aborted too, request_stream.py); and isolation (a request whose
-own inputs break a step is stopped alone by the engine, its client gets the error, every other
-stream goes on).
+Four ways the engine protects itself from its users: a bound on the requests it holds (one that
+arrives when max_num_seqs + max_waiting are unfinished is refused, QueueFullError, HTTP 503);
+aborts (a client that goes away aborts its request, which frees its slot and KV blocks at once);
+stalls (a client that stops reading its stream for stall_timeout_s has its requests aborted too,
+request_stream.py); and isolation (a request whose own inputs break a step is stopped alone by the
+engine, its client gets the error, every other stream goes on).
 
 What it cannot survive is said everywhere: once the core's process dies (or this loop breaks),
-`fatal_error` says why, the gauges read 0 (minicb:engine_alive too), new requests are refused, and
-`on_fatal` is called once, so that the server exits for a supervisor to restart (as vLLM's does).
+`fatal_error` says why, the gauges read 0 (minicb:engine_alive too), new requests are refused,
+and `on_fatal` is called once: the server exits for a supervisor to restart (as vLLM's does).
 """
 
 import asyncio
@@ -82,7 +78,6 @@ class AsyncEngine:
         if not isinstance(engine, RemoteEngine):  # a server runs for days: the newest steps only
             engine.trace.max_steps = trace_steps
         self._inbox: queue.Queue = queue.Queue()
-        # after each command: a loop waiting for the core's step comes back to read its inbox
         self._wake = engine.wake if isinstance(engine, RemoteEngine) else lambda: None
         self._streams: dict[str, RequestStream] = {}  # touched by the engine loop only
         self._ids = stream_ids if stream_ids is not None else itertools.count()
