@@ -166,10 +166,12 @@ def test_a_servers_cpu_is_its_own_and_its_childrens(capsys):
     assert loadgen.server_cpu("http://elsewhere") is None  # not started here: not measured
     cpu = loadtest.level_cpu(time.process_time(), before, after)
     row = {"done": 4, "requests": 4, "requests_per_s": 2.0, "tokens_per_s": 50.0} | cpu
+    row["cpu_offline_s"] = 0.5  # compare() adds the offline twin's
     loadtest.print_level_cpu(row, sys.stdout)  # 100 tokens in the level
     printed = capsys.readouterr().out
     assert "CPU during the level: clients" in printed and "engine core" in printed
     assert f"({1000 * cpu['cpu_server_s'] / 100:.2f} ms a token)" in printed
+    assert "offline twin 0.50 s (5.00 ms a token)" in printed
 
 
 def test_serve_command_carries_the_engine_flags():
@@ -232,6 +234,7 @@ def test_a_small_run_prints_the_yardstick(url, model_dir, tmp_path, capsys):
             and level["all_blocks_free"]
         )
         assert level["ratio"] == pytest.approx(level["server"] / level["offline"])
+        assert level["cpu_offline_s"] > 0  # the twin's CPU, beside the server's
     one, four = result["yardstick"]
     assert (one["concurrency"], one["measure"], four["concurrency"], four["measure"]) == (
         1,

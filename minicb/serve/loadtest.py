@@ -124,7 +124,9 @@ def print_level_cpu(row: dict, out) -> None:
             f"{per_token(row['cpu_server_s']) if core else ''}"
         )
         if core:
-            parts.append(f"engine core {row['cpu_core_s']:.2f} s")
+            parts.append(f"engine core {row['cpu_core_s']:.2f} s{per_token(row['cpu_core_s'])}")
+    if "cpu_offline_s" in row:  # the same tokens offline, in this process (its engine's threads)
+        parts.append(f"offline twin {row['cpu_offline_s']:.2f} s{per_token(row['cpu_offline_s'])}")
     print(f"        CPU during the level: {', '.join(parts)}", file=out)
 
 
@@ -193,7 +195,7 @@ class Offline:
             for b in bodies
         ]
         prompts = [b["prompt"] for b in bodies]
-        t0, token_ids, tpots = time.perf_counter(), [], []
+        t0, cpu0, token_ids, tpots = time.perf_counter(), time.process_time(), [], []
         if (
             concurrency == 1
         ):  # one at a time, each token timed as it comes out, as a client times it
@@ -209,6 +211,7 @@ class Offline:
             ]
         wall = time.perf_counter() - t0
         return {
+            "cpu_s": time.process_time() - cpu0,
             "token_ids": token_ids,
             "tokens_per_s": sum(map(len, token_ids)) / wall,
             "tpot_p50": percentile([t for t in tpots if t is not None], 50),
@@ -224,6 +227,8 @@ def compare(row: dict, results: list[dict], offline: dict) -> None:
     row["same_output"], row["compared"] = sum(a == b for a, b in pairs), len(pairs)
     key = "tpot_p50" if row["concurrency"] == 1 else "tokens_per_s"
     row.update(measure=key, server=row[key], offline=offline[key], ratio=row[key] / offline[key])
+    if "cpu_s" in offline:
+        row["cpu_offline_s"] = offline["cpu_s"]
 
 
 def yardstick(runs: list[dict]) -> dict:
