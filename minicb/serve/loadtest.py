@@ -320,16 +320,12 @@ async def load_test(
                     **summarize_level(c, results, wall, await server_state(client)),
                     **cpu,
                 }
-                if (
-                    twin is None
-                    and offline is not None
-                    and not row["cancelled"]
-                    and time.monotonic() < deadline
-                ):
-                    twin = offline.run(bodies, c)  # the server is idle now
-                if twin is not None and not row["cancelled"]:
-                    compare(row, results, twin)
-                    level.append(row)
+                if offline is not None and not row["cancelled"]:
+                    if twin is None and time.monotonic() < deadline:
+                        twin = offline.run(bodies, c)  # the server is idle now
+                    if twin is not None:
+                        compare(row, results, twin)
+                        level.append(row)
                 runs.append(row)
                 same = f"{row['same_output']}/{row['compared']}" if "compared" in row else "-"
                 print(
