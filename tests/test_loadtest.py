@@ -74,6 +74,34 @@ def test_the_yardstick_sets_the_right_measures_side_by_side():
         and "<= 1.25x" in text
     )
     assert "output tok/s" in text and "0.90 0.60 0.95" in text and "NOT MET" not in text
+    # under 6 runs no interval: the median alone decides
+    assert rows[1]["interval"] is None and rows[1]["verdict"] == "met" and "no interval" in text
+
+
+@pytest.mark.parametrize(
+    "ratios, interval, verdict",
+    [
+        # 95%: with 8 runs, the smallest and the largest
+        ([0.95, 0.99, 0.93, 0.91, 0.96, 0.97, 0.98, 0.94], (0.91, 0.99), "met"),
+        # one run below the target puts it in the interval: the noise is wider than the gap
+        ([0.85, 0.99, 0.93, 0.91, 0.96, 0.97, 0.98, 0.94], (0.85, 0.99), "within noise"),
+        ([0.85, 0.80, 0.83, 0.81, 0.86, 0.87, 0.88, 0.84], (0.80, 0.88), "NOT MET"),
+    ],
+)
+def test_the_yardstick_says_whether_its_verdict_is_beyond_the_noise(ratios, interval, verdict):
+    many = {"concurrency": 64, "engine": "core", "measure": "tokens_per_s"}
+    row = loadtest.yardstick([dict(many, server=100 * x, offline=100, ratio=x) for x in ratios])
+    assert row["interval"] == interval and row["verdict"] == verdict
+    assert row["met"] == (verdict != "NOT MET")  # the median, 0.945 or 0.845
+    out = io.StringIO()
+    loadtest.print_yardstick([row], "a CPU", out)
+    assert ("%.2f-%.2f" % interval) in out.getvalue() and verdict in out.getvalue()
+    assert ("within noise:" in out.getvalue()) == (verdict == "within noise")
+    # TPOT at 1 client: lower is better
+    one = {"concurrency": 1, "engine": "core", "measure": "tpot_p50"}
+    tpots = [dict(one, server=x, offline=1, ratio=x) for x in (1.1, 1.2, 1.3, 1.0, 1.05, 1.15)]
+    assert loadtest.yardstick(tpots)["verdict"] == "within noise"  # 1.0-1.3 holds 1.25
+    assert loadtest.yardstick(tpots[:2] + tpots[3:] + tpots[:1])["verdict"] == "met"
 
 
 class FakeClock:

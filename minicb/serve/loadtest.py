@@ -34,10 +34,9 @@ import random
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import asdict
 
 from ..engine.router import ROUTING_POLICIES
-from ..metrics import mean_gap, percentile
+from ..metrics import percentile
 from .loadgen import (
     CANCELLED,
     check_loopback,
@@ -47,9 +46,8 @@ from .loadgen import (
     server_state,
     start_server,
 )
+from .yardstick import Offline, compare, print_yardstick, yardstick
 
-MAX_TPOT_RATIO = 1.25  # at 1 client: the server's TPOT p50 / offline's per-token time, at most
-MIN_THROUGHPUT_RATIO = 0.90  # at more clients: the server's output tokens/s / offline's, at least
 MIN_REQUESTS = 8  # per level by default: the p50 of fewer TPOTs moves too much from run to run
 
 
@@ -150,126 +148,6 @@ def summarize_level(concurrency: int, results: list[dict], wall: float, state: d
         blocks_total=int(state["kv_blocks_total"]),
         all_blocks_free=state["kv_blocks_used"] == 0 and state["num_requests_running"] == 0,
     )
-
-
-# ---------------------------------------------------------------------- the offline side of the
-# yardstick
-class Offline:
-    """Offline LLMs on the server's weights and config, one at a time (`slots` = their
-    max_num_seqs)."""
-
-    def __init__(self, config):
-        from ..model_executor.loader import load_model
-
-        self.config, self.loaded, self.llm, self.slots = (
-            config,
-            # "auto" is resolved by the engine, which converts float32 weights
-            load_model(config.model, "float32" if config.dtype == "auto" else config.dtype),
-            None,
-            None,
-        )
-
-    def with_slots(self, slots: int):
-        if slots != self.slots:
-            from ..engine.llm import LLM
-            from ..sampling_params import SamplingParams
-
-            self.llm = None  # free the previous one's KV cache first
-            fields = {k: v for k, v in asdict(self.config).items() if k != "model"}
-            self.llm, self.slots = (
-                LLM.from_loaded(self.loaded, **{**fields, "max_num_seqs": slots}),
-                slots,
-            )
-            # warm-up
-            self.llm.generate([[5, 6, 7]] * slots, SamplingParams(max_tokens=4), use_tqdm=False)
-        return self.llm
-
-    def run(self, bodies: list[dict], concurrency: int) -> dict:
-        """The bodies as `concurrency` clients would send them, but in this process, without
-        HTTP."""
-        from ..sampling_params import SamplingParams
-
-        llm = self.with_slots(min(concurrency, self.config.max_num_seqs))
-        params = [
-            SamplingParams(max_tokens=b["max_tokens"], temperature=0, ignore_eos=True)
-            for b in bodies
-        ]
-        prompts = [b["prompt"] for b in bodies]
-        t0, cpu0, token_ids, tpots = time.perf_counter(), time.process_time(), [], []
-        if (
-            concurrency == 1
-        ):  # one at a time, each token timed as it comes out, as a client times it
-            for prompt, p in zip(prompts, params):
-                times = []
-                for out in llm.stream([prompt], p):
-                    times.append(time.perf_counter())
-                token_ids.append(out.outputs[0].token_ids)
-                tpots.append(mean_gap(times[0], times[-1], len(times)))
-        else:
-            token_ids = [
-                o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
-            ]
-        wall = time.perf_counter() - t0
-        return {
-            "cpu_s": time.process_time() - cpu0,
-            "token_ids": token_ids,
-            "tokens_per_s": sum(map(len, token_ids)) / wall,
-            "tpot_p50": percentile([t for t in tpots if t is not None], 50),
-        }
-
-
-def compare(row: dict, results: list[dict], offline: dict) -> None:
-    """Add the yardstick to a level's row: the measure on both sides, their ratio, the tokens that
-    agree."""
-    pairs = [
-        (r["token_ids"], ids) for r, ids in zip(results, offline["token_ids"]) if "error" not in r
-    ]
-    row["same_output"], row["compared"] = sum(a == b for a, b in pairs), len(pairs)
-    key = "tpot_p50" if row["concurrency"] == 1 else "tokens_per_s"
-    row.update(measure=key, server=row[key], offline=offline[key], ratio=row[key] / offline[key])
-    if "cpu_s" in offline:
-        row["cpu_offline_s"] = offline["cpu_s"]
-
-
-def yardstick(runs: list[dict]) -> dict:
-    """One level's runs (--repeat) in one row: the median of each side and of the run-by-run
-    ratios."""
-    tpot = runs[0]["measure"] == "tpot_p50"
-    ratios = [r["ratio"] for r in runs]
-    ratio = percentile(ratios, 50)
-    return {k: runs[0][k] for k in ("engine", "concurrency", "measure")} | {
-        "server": percentile([r["server"] for r in runs], 50),
-        "offline": percentile([r["offline"] for r in runs], 50),
-        "ratio": ratio,
-        "ratios": ratios,
-        "target": MAX_TPOT_RATIO if tpot else MIN_THROUGHPUT_RATIO,
-        "met": ratio <= MAX_TPOT_RATIO if tpot else ratio >= MIN_THROUGHPUT_RATIO,
-    }
-
-
-def print_yardstick(rows: list[dict], cpu: str, out=None) -> None:
-    print(
-        f"\nthe yardstick (issue 14) on {cpu}, {os.cpu_count()} CPUs: the server against offline "
-        "LLM on the same requests, measured in turn",
-        file=out,
-    )
-    print(
-        f"{'engine':<11} {'clients':>7} {'measure':<13} {'server':>10} {'offline':>10} "
-        f"{'ratio':>6}  {'target':<9} {'':<8} "
-        f"{'runs' if any(len(r['ratios']) > 1 for r in rows) else ''}",
-        file=out,
-    )
-    for r in rows:
-        tpot = r["measure"] == "tpot_p50"
-        value = (lambda x: f"{1000 * x:.1f} ms") if tpot else (lambda x: f"{x:.1f}")
-        target = f"<= {r['target']:.2f}x" if tpot else f">= {r['target']:.2f}"
-        runs = " ".join(f"{x:.2f}" for x in r["ratios"]) if len(r["ratios"]) > 1 else ""
-        print(
-            f"{r['engine']:<11} {r['concurrency']:>7} {'TPOT p50' if tpot else 'output tok/s':<13} "
-            f"{value(r['server']):>10} {value(r['offline']):>10} {r['ratio']:>6.2f}  {target:<9} "
-            f"{'met' if r['met'] else 'NOT MET':<8} {runs}",
-            file=out,
-        )
 
 
 async def load_test(
