@@ -25,10 +25,21 @@ NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # no Nagle delay betwee
 class Served:
     """A running server on loopback, its engine, and a sync httpx client."""
 
-    def __init__(self, stack: ExitStack, loaded, max_waiting=64, trace_steps=5000, **config):
+    def __init__(
+        self,
+        stack: ExitStack,
+        loaded,
+        max_waiting=64,
+        trace_steps=5000,
+        stream_interval=1,
+        **config,
+    ):
         self.engine = Engine(EngineConfig(model=loaded.name, **{**CONFIG, **config}), loaded)
         self.async_engine = AsyncEngine(
-            self.engine, max_waiting=max_waiting, trace_steps=trace_steps
+            self.engine,
+            max_waiting=max_waiting,
+            trace_steps=trace_steps,
+            stream_interval=stream_interval,
         )
         self.url = stack.enter_context(ServerThread(build_app(self.async_engine)))
         self.http = stack.enter_context(

@@ -230,6 +230,10 @@ def test_serve_command_carries_the_engine_flags():
         == 1
     )
     assert "--core-threads" not in serve_command(args, None, 8123, 17, in_process=True)
+    # and its --stream-interval to either
+    assert serve.parse_args(serve_command(args, None, 8123, 17, False)[4:]).stream_interval == 1
+    args.stream_interval = 4
+    assert serve.parse_args(serve_command(args, None, 8123, 17, True)[4:]).stream_interval == 4
 
 
 # ---------------------------------------------------------------------- against a server

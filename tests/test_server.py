@@ -7,7 +7,9 @@ Every loop below is bounded in count and time.
 """
 
 import asyncio
+import itertools
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -26,6 +28,7 @@ from serving import (
 
 from minicb import SamplingParams
 from minicb.model_executor.loader import load_model, save_tiny_model
+from minicb.serve.request_stream import RequestStream
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +170,45 @@ def test_streamed_equals_non_streamed_completions(server, plain):
         )
         assert all(c["choices"][0]["finish_reason"] is None for c in token_chunks[:-1])
         assert last["choices"] == [] and last["usage"] == whole["usage"]
+
+
+def test_a_stream_interval_sends_n_new_tokens_a_chunk_and_loses_none(plain, worded):
+    """vLLM's --stream-interval 4: the first token at once, then a chunk each 4 new tokens, and the
+    last at the finish; the same tokens and text as every token streamed."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = reference(plain, [body["prompt"]], params)[0]
+    with serve(plain, stream_interval=4) as s:
+        chunks = stream_completion(s, "/v1/completions", body)
+        ids = [c["choices"][0]["token_ids"] for c in chunks]
+        assert [t for chunk in ids for t in chunk] == want
+        # after each chunk, the tokens so far: 1, 5, 9, 10 (two may be coalesced for a client
+        # that reads late, never more split)
+        ends = set(itertools.accumulate(map(len, ids)))
+        assert ends <= {1, 5, 9, 10} and len(ids) >= 2, ids
+    with serve(worded, stream_interval=3) as s:
+        text = {"prompt": "w40 w41 w42", "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+        whole = s.http.post("/v1/completions", json=text).json()["choices"][0]["text"]
+        pieces = stream_completion(s, "/v1/completions", text)
+        assert "".join(c["choices"][0]["text"] for c in pieces) == whole != ""
+        assert len(pieces) <= 5  # 1, 4, 7, 9 tokens (and the usage-less end): not 9 chunks
+
+
+def test_request_stream_due_every_n_tokens():
+    """RequestStream.due, the rule on its own: a request's first output, its last, and one each
+    time `interval` new tokens have come since the last handed (several at once: speculative
+    decoding's accepted drafts)."""
+    out = lambda rid, n, done=False: SimpleNamespace(
+        request_id=rid, finished=done, outputs=[SimpleNamespace(token_ids=list(range(n)))]
+    )
+    stream = RequestStream("0", 2, abort=lambda ids: None, interval=3)
+    got = [n for n in range(1, 9) if stream.due(out("0-0", n))]
+    assert got == [1, 4, 7]
+    assert stream.due(out("0-1", 1)) and not stream.due(out("0-1", 2))  # its own count
+    assert stream.due(out("0-0", 8, done=True))  # the last, whatever the count
+    assert stream.due(out("0-1", 6))  # 5 new at once (drafts accepted): due
+    every = RequestStream("1", 1, abort=lambda ids: None)
+    assert all(every.due(out("1-0", n)) for n in range(1, 5))
 
 
 def test_streamed_equals_non_streamed_chat_and_text(chat_server, worded):

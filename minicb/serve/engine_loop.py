@@ -60,9 +60,11 @@ class AsyncEngine:
         stall_timeout_s: float = 60.0,
         on_fatal: Callable[[str], None] | None = None,
         stream_ids: Iterator[int] | None = None,
+        stream_interval: int = 1,
     ):
         """`stall_timeout_s`: a stream whose outputs wait this long for a client that takes none is
         aborted (60 s: far above a reading client's pauses, short against a long request's life).
+        `stream_interval`: vLLM's --stream-interval, tokens per output handed (RequestStream.due).
         `on_fatal(message)`: called once, on the engine loop's thread, when fatal_error is set.
         `stream_ids`: where the streams' ids come from (data-parallel replicas share one count, so
         that no two responses of the server have the same id)."""
@@ -70,6 +72,9 @@ class AsyncEngine:
             raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
         if not isinstance(stall_timeout_s, (int, float)) or not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be a number > 0, got {stall_timeout_s!r}")
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be a positive integer, got {stream_interval!r}")
+        self.stream_interval = stream_interval
         self.engine = engine
         self.max_waiting = max_waiting
         self.stall_timeout_s = stall_timeout_s
@@ -149,7 +154,7 @@ class AsyncEngine:
         failure = self.failure()
         if failure is not None:
             raise RuntimeError(failure)
-        stream = RequestStream(str(next(self._ids)), len(prompts), self.abort)
+        stream = RequestStream(str(next(self._ids)), len(prompts), self.abort, self.stream_interval)
         accepted = self._loop.create_future()
         self._inbox.put(("add", stream, prompts, params, priority, user, accepted))
         self._wake()
@@ -307,7 +312,7 @@ class AsyncEngine:
                 deliveries.append((stream, RuntimeError(why)))
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
+            if stream is not None and stream.due(out):  # every output, or every N tokens
                 deliveries.append((stream, out))
                 if out.finished:
                     del self._streams[out.request_id]

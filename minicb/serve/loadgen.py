@@ -187,6 +187,8 @@ def serve_command(
             cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     if getattr(args, "core_threads", None) is not None and not in_process:
         cmd += ["--core-threads", str(args.core_threads)]
+    if getattr(args, "stream_interval", 1) != 1:
+        cmd += ["--stream-interval", str(args.stream_interval)]
     if getattr(args, "data_parallel_size", 1) > 1:
         cmd += ["--data-parallel-size", str(args.data_parallel_size)]
         cmd += ["--routing-policy", args.routing_policy]

@@ -263,6 +263,12 @@ def main(argv=None) -> int:
         ),
     )
     p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="serve's --stream-interval: new tokens per streamed chunk (default 1: each token)",
+    )
+    p.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,

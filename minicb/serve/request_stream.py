@@ -7,6 +7,9 @@ loop, which puts them in the stream of their HTTP request; the handler takes the
 - Outputs are coalesced, not queued: an output holds everything its request made so far (text and
   tokens are cumulative), so a stream keeps only the newest output of each request. A client that
   reads slowly, or not at all, holds at most one output per request, never one per step.
+- With vLLM's --stream-interval N, a request's output is handed over when N new tokens have come
+  since the last one was (and its first and last at once): the same text in fewer chunks, each
+  of which costs the API process its framing, JSON and socket write (`due`).
 - The engine loop can tell a client that stopped reading: the stream records when its consumer
   last took outputs (`taken_at`), and the loop, each time it hands the stream more, how long
   outputs have waited for it (`stalled`). A stream whose outputs wait longer than the server's
@@ -30,7 +33,13 @@ class RequestStream:
     the loop early (a client disconnect cancels the handler) aborts every request that has not
     finished."""
 
-    def __init__(self, stream_id: str, num_prompts: int, abort: Callable[[list[str]], None]):
+    def __init__(
+        self,
+        stream_id: str,
+        num_prompts: int,
+        abort: Callable[[list[str]], None],
+        interval: int = 1,
+    ):
         self.id = stream_id
         # prompt i's engine request
         self.request_ids = [f"{stream_id}-{i}" for i in range(num_prompts)]
@@ -48,8 +57,11 @@ class RequestStream:
         # for it). Written in the event loop, read by the engine loop: one store of a float or
         # None, which a reader in another thread sees whole.
         self.taken_at: float | None = self.received_at
-        # The engine loop's own: since when outputs have waited for the consumer (stalled()).
+        # The engine loop's own: since when outputs have waited for the consumer (stalled()); and
+        # per request, its tokens when it was last handed an output (due())
         self.waiting_since: float | None = None
+        self.interval = interval
+        self._handed: dict[str, int] = {}
 
     # ------------------------------------------------------------------ the event loop's side
     def put(self, item) -> None:
@@ -94,6 +106,20 @@ class RequestStream:
             self._arrived.set()
 
     # ------------------------------------------------------------------ the engine loop's side
+    def due(self, out) -> bool:
+        """Called by the engine loop with each output of its step: is it handed to this stream
+        now? Every output with an interval of 1. Otherwise a request's first output, its last, and
+        one each time `interval` new tokens (its longest sample's) have come since the last handed
+        over. An output skipped loses nothing: the next holds everything so far."""
+        if self.interval == 1:
+            return True
+        tokens = max(len(s.token_ids) for s in out.outputs)
+        handed = self._handed.get(out.request_id)
+        if handed is None or out.finished or tokens - handed >= self.interval:
+            self._handed[out.request_id] = tokens
+            return True
+        return False
+
     def stalled(self, now: float, timeout_s: float) -> bool:
         """Called by the engine loop each time it hands this stream outputs: have outputs waited
         for the consumer longer than `timeout_s`? They wait from the first output handed over
