@@ -74,12 +74,12 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
     any such k: fewer than 6 at 95%, fewer than 5 at 90%.
 
     On a VM whose speed moves 10-20% from one run to the next, one run's ratio says little; this
-    says whether a target lies outside what the noise allows (serve/loadtest.py)."""
+    says whether a target lies outside what the noise allows (serve/yardstick.py)."""
     n, tail = len(values), (1 - confidence) / 2
-    k, below = 0, 0.0
-    while k < n and below + math.comb(n, k) / 2**n <= tail:
-        below += math.comb(n, k) / 2**n
+    k, below = 0, math.comb(n, 0) / 2**n  # below: P(fewer than k + 1 values below the median)
+    while k < n and below <= tail:
         k += 1
+        below += math.comb(n, k) / 2**n
     if k == 0:
         return None
     xs = sorted(values)
