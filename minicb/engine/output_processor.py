@@ -14,7 +14,7 @@ close with the request's last output.
 from ..core.request import Request
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import RequestOutputKind
-from .detokenizer import IncrementalDetokenizer, StopStrings
+from .detokenizer import IncrementalDetokenizer, StopStrings, new_detokenizer
 
 
 class OutputProcessor:
@@ -35,7 +35,7 @@ class OutputProcessor:
             self.owner[sample.request_id] = request_id
             if self.tokenizer is not None:
                 p = sample.params
-                self.detokenizers[sample.request_id] = IncrementalDetokenizer(
+                self.detokenizers[sample.request_id] = new_detokenizer(
                     self.tokenizer, stop, p.include_stop_str_in_output, min_tokens=p.min_tokens
                 )
 

@@ -17,7 +17,7 @@ does. With echo (completions), the text starts with the prompt, and the logprobs
 
 from dataclasses import dataclass, field
 
-from ..engine.detokenizer import IncrementalDetokenizer, text_delta
+from ..engine.detokenizer import new_detokenizer, text_delta
 
 LOGPROB_FLOOR = -9999.0  # what -inf becomes in JSON (vLLM's value)
 
@@ -29,7 +29,7 @@ def clamp(logprob: float) -> float:
 
 class TextOffsets:
     """Where each token's text starts in a text decoded token by token, as the engine decodes its
-    outputs (IncrementalDetokenizer), counted from `start`. Without a tokenizer every token is at
+    outputs (new_detokenizer), counted from `start`. Without a tokenizer every token is at
     `start`."""
 
     def __init__(self, tokenizer, start: int = 0, skip_special_tokens: bool = True):
@@ -37,7 +37,7 @@ class TextOffsets:
         self.detokenizer = (
             None
             if tokenizer is None
-            else IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+            else new_detokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         )
 
     def add(self, token_ids: list[int]) -> list[int]:
