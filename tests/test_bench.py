@@ -4,6 +4,7 @@ speed."""
 import argparse
 import json
 import math
+import os
 import random
 
 import pytest
@@ -364,3 +365,22 @@ def test_median_interval_holds_the_median_as_often_as_it_says():
         lo, hi = median_interval([rng.expovariate(1.0) for _ in range(10)])
         held += lo <= median <= hi
     assert held / 4000 >= 0.96
+
+
+def test_contention_steps_one_engine_with_its_neighbour_off_and_on_in_turn(tmp_path):
+    # The measure (minicb/bench/contention.py), not its figure: every step is timed on its side,
+    # the neighbour works only while on, and the engine's requests are still running at the end
+    # (every timed step was a decode step of all its rows). Timings are printed, never asserted.
+    from minicb import LLM
+    from minicb.bench.contention import busy_engine, measure, report
+    from minicb.model_executor.loader import save_tiny_model
+
+    llm = LLM(model=str(save_tiny_model(tmp_path, arch="llama", seed=1)), dtype="float32")
+    engine = busy_engine(llm, rows=4, steps=2 * 3 * 4)
+    r = measure(engine, period_s=0.001, work_s=0.0002, block=3, blocks=4)
+    print(report(r))
+    assert len(r["steps"]["off"]) == len(r["steps"]["on"]) == 12
+    assert 0 < r["neighbour_share"] <= 1 and r["wanted_share"] == pytest.approx(
+        0.2 / 1.2 / os.cpu_count()
+    )
+    assert len(engine.scheduler.running) == 4 and not engine.scheduler.waiting
