@@ -384,3 +384,21 @@ def test_contention_steps_one_engine_with_its_neighbour_off_and_on_in_turn(tmp_p
         0.2 / 1.2 / os.cpu_count()
     )
     assert len(engine.scheduler.running) == 4 and not engine.scheduler.waiting
+
+
+def test_contention_command_line_names_the_machine_and_the_engines_threads(tmp_path, capsys):
+    from minicb.bench.contention import main
+    from minicb.model_executor.loader import save_tiny_model
+
+    path = str(save_tiny_model(tmp_path, arch="llama", seed=1))
+    threads = torch.get_num_threads()
+    try:
+        main(["--model", path, "--dtype", "float32", "--rows", "2", "--block", "2"])
+        main(
+            ["--model", path, "--dtype", "float32", "--rows", "2", "--block", "2", "--threads", "1"]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert f"2 rows decoding on {threads} torch threads" in out
+    assert "2 rows decoding on 1 torch threads" in out and out.count("neighbour (normal") == 2

@@ -130,16 +130,30 @@ def main(argv=None) -> None:
     p.add_argument("--policy", choices=POLICIES, default="normal", help="the neighbour's priority")
     p.add_argument("--block", type=int, default=10, help="steps per block (default 10)")
     p.add_argument("--blocks", type=int, default=16, help="blocks on, and as many off")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="the engine's torch threads (default: one per core; fewer leave the neighbour one)",
+    )
     args = p.parse_args(argv)
+    import torch
+
     from ..engine.llm import LLM
     from .machine import cpu_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.rows)
     engine = busy_engine(llm, args.rows, 2 * args.block * args.blocks)
     r = measure(
         engine, args.period_ms / 1000, args.work_ms / 1000, args.policy, args.block, args.blocks
     )
-    print(f"{cpu_model()}, {os.cpu_count()} CPUs, {args.rows} rows decoding")
+    print(
+        f"{cpu_model()}, {os.cpu_count()} CPUs, {args.rows} rows decoding on "
+        f"{torch.get_num_threads()} torch threads"
+    )
     print(report(r))
 
 
