@@ -27,9 +27,11 @@ Two ways to find a token's new text, as in vLLM V1 (vllm/v1/engine/detokenizer.p
   tokenizer that has a Rust backend; new_detokenizer() picks it likewise. A server detokenizes
   every token of every stream in its API process, so this is per-token work taken from the cores
   the engine runs on.
-Both give the same text: that of decoding the output's token ids at once. (vLLM also primes the
-stream with the prompt's ids, which changes the first token's text for a tokenizer whose decoder
-drops a leading space; minicb's text is the output's own decode, as transformers' is.)
+Fed one token at a time, both give the same pieces, and for text the model could have written they
+add up to the output's decode at once. (Not for a run of byte-fallback tokens <0xNN> that is not
+UTF-8: its decode depends on what follows, in vLLM too. vLLM also primes the stream with the
+prompt's ids, which changes the first token's text for a tokenizer whose decoder drops a leading
+space; minicb's text is the output's own decode, as transformers' is.)
 """
 
 import itertools
@@ -154,23 +156,25 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
 
     def _new_text(self, new_token_ids: list[int], finished: bool) -> str:
-        pieces = []
-        for token in new_token_ids:
-            if self.stream is not None:
-                try:
-                    piece = self.stream.step(self.backend, token)
-                except Exception:  # the stream's window broke: Python's from here on
-                    self.stream = None
-                else:
-                    self.token_ids.append(token)
-                    if piece is not None:  # a whole character (or more) came out
-                        pieces.append(piece)
-                        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-                    continue
-            pieces.append(super()._new_text([token], False))
+        pieces = [self._step(token) for token in new_token_ids]
         if finished and self.read_offset < len(self.token_ids):
             pieces.append(super()._new_text([], True))  # the held-back bytes, as U+FFFD
         return "".join(pieces)
+
+    def _step(self, token: int) -> str:
+        """One token through the stream, or through the window once the stream has failed."""
+        if self.stream is not None:
+            try:
+                piece = self.stream.step(self.backend, token)
+            except Exception:  # the stream's window broke: the window in Python from here on
+                self.stream = None
+            else:
+                self.token_ids.append(token)
+                if piece is None:  # half of a character: the stream holds it back
+                    return ""
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+                return piece
+        return super()._new_text([token], False)
 
 
 def new_detokenizer(tokenizer, *args, **kwargs) -> IncrementalDetokenizer:
